@@ -1,0 +1,215 @@
+"""The ``loong`` torch.compile backend: Dynamo graph -> passes -> AOTAutograd -> passes -> Inductor.
+
+Stages (docs/architecture.md has a paragraph on each):
+
+1. ``dynamo``: passes on the Dynamo FX graph (torch IR), e.g. the 2D-Attention rewrite.
+2. ``joint`` and ``split``: our partitioner, installed through Inductor's
+   ``custom_partitioner_fn`` hook (or AOTAutograd's ``partition_fn`` under
+   ``lowering="aot_eager"``), runs the joint-graph passes, PyTorch's min-cut
+   partition, then the passes that see the forward and backward graphs together.
+3. ``post_grad``: passes on Inductor's post-grad graphs (``post_grad_custom_post_pass``).
+4. Inductor generates the kernels.
+
+Every hook is handed to ``compile_fx`` as ``config_patches``, so no global
+torch config is changed by a compile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+
+from loong_compile import _compat
+from loong_compile.config import LoongConfig
+from loong_compile.errors import LoongConfigError
+from loong_compile.inspect import Dumper, GraphReport, PassRecord
+from loong_compile.passes.base import STAGES, GraphPass, PassContext, SplitGraphs
+
+_graph_ids = itertools.count()
+
+
+def default_passes() -> list[GraphPass]:
+    """The library's passes, in pipeline order; each decides from the config whether it applies."""
+    from loong_compile.passes import library_passes
+
+    return library_passes()
+
+
+class LoongBackend:
+    """A Dynamo backend: ``torch.compile(model, backend=LoongBackend(options))``.
+
+    ``backend="loong"`` with ``options=`` builds one of these per compile.  ``passes``
+    replaces the library's pass list (tests use it to run small passes of their own);
+    ``on_report`` receives each graph's report (``loong_compile.explain`` uses it).
+    """
+
+    def __init__(self, options: Mapping[str, Any] | LoongConfig | None = None, *,
+                 passes: Sequence[GraphPass] | None = None,
+                 on_report: Callable[[GraphReport], None] | None = None):
+        self.config = LoongConfig.from_options(options)
+        self.passes = list(default_passes() if passes is None else passes)
+        self.on_report = on_report
+        _check_pass_names(self.passes, self.config)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        compile_ = _GraphCompile(self, gm)
+        return compile_.run(example_inputs)
+
+
+def loong_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                  options: Mapping[str, Any] | LoongConfig | None = None) -> Callable:
+    """The function registered as ``backend="loong"``; ``options`` comes from ``torch.compile``."""
+    return LoongBackend(options)(gm, example_inputs)
+
+
+def _check_pass_names(passes: Sequence[GraphPass], config: LoongConfig) -> None:
+    known = {p.name for p in passes}
+    for p in passes:
+        if p.stage not in STAGES:
+            raise LoongConfigError(f"pass {p.name!r} has stage {p.stage!r}",
+                                   f"a pass stage is one of {', '.join(STAGES)}",
+                                   "set the pass's `stage` attribute to one of those")
+    for name in config.disable_passes:
+        if name not in known:
+            raise LoongConfigError(f"disable_passes names {name!r}",
+                                   f"known passes are {', '.join(sorted(known)) or 'none'}",
+                                   f"remove {name!r} from disable_passes or fix its spelling")
+
+
+class _GraphCompile:
+    """One Dynamo graph through the pipeline: owns its report, dumps and pass context."""
+
+    def __init__(self, backend: LoongBackend, gm: torch.fx.GraphModule):
+        self.config = backend.config
+        self.gm = gm
+        self.mesh = _mesh_for(self.config)
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.report = GraphReport(graph_id=next(_graph_ids), rank=rank, config=self.config.to_dict())
+        self.dumper = Dumper(self.report, self.config.dump_dir)
+        self.on_report = backend.on_report
+        self.state: dict[str, Any] = {}
+        self.active: dict[str, list[GraphPass]] = {stage: [] for stage in STAGES}
+        for p in backend.passes:
+            if p.name in self.config.disable_passes:
+                self.report.skipped.append({"name": p.name, "stage": p.stage, "reason": "disable_passes"})
+            elif not p.enabled(self.config):
+                self.report.skipped.append({"name": p.name, "stage": p.stage,
+                                            "reason": "does not apply to this config"})
+            else:
+                self.active[p.stage].append(p)
+
+    # -- running passes -------------------------------------------------------
+
+    def run_stage(self, stage: str, graph: Any, graph_kind: str) -> None:
+        passes = self.active[stage]
+        start = time.perf_counter()
+        self._dump(stage, graph_kind, "before" if passes else "", graph)
+        for p in passes:
+            ctx = PassContext(config=self.config, mesh=self.mesh, rank=self.report.rank,
+                              graph_id=self.report.graph_id, graph_kind=graph_kind, state=self.state)
+            t0 = time.perf_counter()
+            summary = p.run(graph, ctx) or {}
+            self.report.passes.append(PassRecord(p.name, stage, graph_kind,
+                                                 time.perf_counter() - t0, dict(summary)))
+        if passes:
+            self._dump(stage, graph_kind, "after", graph)
+        key = f"{stage}:{graph_kind}"
+        self.report.stage_seconds[key] = self.report.stage_seconds.get(key, 0.0) + time.perf_counter() - start
+        self._publish()
+
+    def _dump(self, stage: str, graph_kind: str, when: str, graph: Any) -> None:
+        if isinstance(graph, SplitGraphs):
+            self.dumper.graph(stage, "forward", when, graph.forward)
+            self.dumper.graph(stage, "backward", when, graph.backward)
+        else:
+            self.dumper.graph(stage, graph_kind, when, graph)
+
+    def _publish(self) -> None:
+        """Write the report as it grows: the backward graph is compiled lazily, much later."""
+        self.dumper.write_report()
+        if self.on_report is not None:
+            self.on_report(self.report)
+
+    # -- the pipeline ---------------------------------------------------------
+
+    def run(self, example_inputs: Sequence[Any]) -> Callable:
+        self.run_stage("dynamo", self.gm, "dynamo")
+        self.gm.recompile()
+        lowering = self.config.lowering
+        if lowering == "eager":
+            return self.gm.forward
+        if lowering == "aot_eager":
+            return _compat.aot_autograd(
+                fw_compiler=self._aot_eager_compiler, bw_compiler=self._aot_eager_compiler,
+                partition_fn=self.partition)(self.gm, example_inputs)
+        return _compat.compile_fx(self.gm, example_inputs, config_patches=self._inductor_patches())
+
+    @staticmethod
+    def _aot_eager_compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        return make_boxed_func(gm.forward)
+
+    def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], *,
+                  num_fwd_outputs: int, **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        """Joint-graph passes, PyTorch's min-cut partition, then the split-graph passes."""
+        self.run_stage("joint", joint, "joint")
+        joint.recompile()
+        kwargs.pop("compiler", None)
+        fw, bw = min_cut_rematerialization_partition(
+            joint, joint_inputs, compiler="inductor", num_fwd_outputs=num_fwd_outputs, **kwargs)
+        split = SplitGraphs(fw, bw, num_fwd_outputs)
+        self.run_stage("split", split, "split")
+        split.forward.recompile()
+        split.backward.recompile()
+        return split.forward, split.backward
+
+    def _inductor_patches(self) -> dict[str, Any]:
+        key = self._cache_key()
+        patches: dict[str, Any] = {
+            "custom_partitioner_fn": _compat.LoongPartitioner(self.partition, key),
+            "post_grad_custom_post_pass": _compat.LoongPostGrad(self._post_grad, key),
+        }
+        if self.config.dump_dir:
+            # A cache hit skips our passes, so the dump would miss stages the user asked to see.
+            patches["fx_graph_cache"] = False
+        return patches
+
+    def _post_grad(self, graph: torch.fx.Graph, is_inference: bool) -> None:
+        is_backward = any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder"))
+        kind = "inference" if is_inference else ("backward" if is_backward else "forward")
+        self.run_stage("post_grad", graph, kind)
+
+    def _cache_key(self) -> str:
+        """Inductor's caches must see everything our hooks' output depends on."""
+        sources = sorted({_module_file(p) for stage in self.active.values() for p in stage})
+        h = hashlib.sha256(json.dumps(self.config.to_dict(), sort_keys=True, default=str).encode())
+        for path in sources + [__file__]:
+            h.update(Path(path).read_bytes())
+        h.update(",".join(p.name for s in STAGES for p in self.active[s]).encode())
+        return h.hexdigest()
+
+
+def _module_file(obj: object) -> str:
+    import inspect as pyinspect
+
+    return pyinspect.getfile(type(obj))
+
+
+def _mesh_for(config: LoongConfig) -> Any:
+    """The mesh the passes and ops use; None in a single process with hp = cp = 1."""
+    initialized = dist.is_available() and dist.is_initialized()
+    if not initialized and config.sp == 1:
+        return None
+    from loong_compile.mesh import init_mesh
+
+    return init_mesh(hp=config.hp, cp=config.cp, placement=config.placement,
+                     inner_ring=config.inner_ring)

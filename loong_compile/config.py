@@ -1,0 +1,172 @@
+"""LoongConfig: the backend's options, from ``options=`` and ``LOONG_*`` variables.
+
+Environment variables give defaults (``LOONG_HP=2``); explicit ``options``
+override them.  Every key is validated here, once, so passes and ops can trust
+the values they read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from loong_compile.errors import LoongConfigError
+
+PLACEMENTS = ("head_first", "context_first")
+ACTIVATION_POLICIES = ("none", "sc++", "memo")
+LOWERINGS = ("inductor", "aot_eager", "eager")
+ENV_PREFIX = "LOONG_"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoongConfig:
+    """Options of ``torch.compile(model, backend="loong", options=...)``.
+
+    hp, cp: head-parallel and context-parallel degrees (sp = hp * cp ranks share a sequence).
+    placement: ``head_first`` keeps an HP group on consecutive ranks, ``context_first`` a CP group.
+    inner_ring: ranks per inner ring of the Double-Ring (must divide cp).
+    activations: ``none`` (Inductor's partition), ``sc++`` (save layer inputs and attention
+        outputs, recompute the rest), ``memo`` (offload + token-slice recompute).
+    alpha: fraction of "other" activations' tokens offloaded under ``memo``; ``"auto"`` solves MEMO's LP.
+    memory_plan: give Inductor's buffers static offsets from the bi-level MIP.
+    solver_time_limit: seconds per MIP solve.
+    dump_dir: write graphs and reports here (per rank, per graph, per stage).
+    disable_passes: names of passes to skip.
+    lowering: ``inductor``; ``aot_eager`` / ``eager`` for debugging.
+    strict: raise on any attention call that cannot be distributed, instead of falling back.
+    """
+
+    hp: int = 1
+    cp: int = 1
+    placement: str = "head_first"
+    inner_ring: int = 1
+    activations: str = "none"
+    alpha: float | str = "auto"
+    memory_plan: bool = False
+    solver_time_limit: float = 10.0
+    dump_dir: str | None = None
+    disable_passes: tuple[str, ...] = ()
+    lowering: str = "inductor"
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check(f.name, getattr(self, f.name))
+
+    @property
+    def sp(self) -> int:
+        return self.hp * self.cp
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | LoongConfig | None = None,
+                     environ: Mapping[str, str] | None = None) -> LoongConfig:
+        """Build from ``LOONG_*`` variables overridden by ``options`` (a dict or a LoongConfig)."""
+        if isinstance(options, LoongConfig):
+            return options
+        if options is not None and not isinstance(options, Mapping):
+            raise LoongConfigError(
+                f"options={options!r} has type {type(options).__name__}",
+                "options must be a dict or a LoongConfig",
+                'pass e.g. options={"hp": 2, "cp": 2}')
+        values = _from_environ(os.environ if environ is None else environ)
+        for key, value in (options or {}).items():
+            values[_known_key(key, "option")] = _coerce(key, value)
+        return cls(**values)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(LoongConfig)}
+
+
+def _known_key(key: str, source: str) -> str:
+    if key not in _FIELDS:
+        valid = ", ".join(_FIELDS)
+        raise LoongConfigError(f"unknown {source} {key!r}", f"valid keys are {valid}",
+                               f"remove {key!r} or correct its spelling")
+    return key
+
+
+def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
+    values = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        key = _known_key(name[len(ENV_PREFIX):].lower(), f"environment variable {name}; option")
+        values[key] = _coerce(key, raw, from_env=True)
+    return values
+
+
+def _coerce(key: str, value: Any, from_env: bool = False) -> Any:
+    """Turn environment strings and lists into the field's type; leave other values to _check."""
+    if key == "disable_passes":
+        if isinstance(value, str):
+            value = [v for v in value.replace(",", " ").split() if v]
+        if isinstance(value, (list, tuple, set, frozenset)):
+            return tuple(value)
+        return value
+    if not from_env:
+        return value
+    if key in ("hp", "cp", "inner_ring"):
+        return _parse(key, value, int, "an integer >= 1")
+    if key == "solver_time_limit":
+        return _parse(key, value, float, "a number of seconds > 0")
+    if key == "alpha":
+        return value if value == "auto" else _parse(key, value, float, '"auto" or a float in [0, 1]')
+    if key in ("memory_plan", "strict"):
+        lowered = value.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise LoongConfigError(f"{ENV_PREFIX}{key.upper()}={value!r}", "expected a boolean",
+                               "use 1/0, true/false, yes/no or on/off")
+    if key == "dump_dir":
+        return value or None
+    return value
+
+
+def _parse(key: str, raw: str, kind: type, expected: str) -> Any:
+    try:
+        return kind(raw)
+    except ValueError:
+        raise LoongConfigError(f"{ENV_PREFIX}{key.upper()}={raw!r}", f"{key} must be {expected}",
+                               f"set {ENV_PREFIX}{key.upper()} to {expected}") from None
+
+
+def _check(key: str, value: Any) -> None:
+    def bad(rule: str, fix: str) -> LoongConfigError:
+        return LoongConfigError(f"{key}={value!r}", rule, fix)
+
+    if key in ("hp", "cp", "inner_ring"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad(f"{key} must be an integer >= 1", f"pass {key}=1 or a larger integer")
+    elif key in ("placement", "activations", "lowering"):
+        choices = {"placement": PLACEMENTS, "activations": ACTIVATION_POLICIES,
+                   "lowering": LOWERINGS}[key]
+        if value not in choices:
+            raise bad(f"{key} must be one of {', '.join(choices)}",
+                      f"pass {key}={choices[0]!r} or another listed value")
+    elif key == "alpha":
+        if value == "auto":
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise bad('alpha must be "auto" or a number in [0, 1]',
+                      'pass alpha="auto" to solve MEMO\'s LP, or a fraction such as 0.5')
+    elif key in ("memory_plan", "strict"):
+        if not isinstance(value, bool):
+            raise bad(f"{key} must be True or False", f"pass {key}=True or {key}=False")
+    elif key == "solver_time_limit":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise bad("solver_time_limit must be a positive number of seconds",
+                      "pass e.g. solver_time_limit=10")
+    elif key == "dump_dir":
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise bad("dump_dir must be a path or None", 'pass e.g. dump_dir="out/"')
+    elif key == "disable_passes":
+        if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+            raise bad("disable_passes must be a list of pass names",
+                      'pass e.g. disable_passes=["attention_2d"]')
