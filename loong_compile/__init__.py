@@ -1,51 +1,60 @@
 """loong_compile: a torch.compile backend for long-sequence LLM training.
 
 ``torch.compile(model, backend="loong", options={...})``; see README.md.
-Importing this package registers the backend (an installed package also
-registers it through its ``torch_dynamo_backends`` entry point).
+
+The installed package registers ``backend="loong"`` through its
+``torch_dynamo_backends`` entry point, so nothing needs importing first; an
+uninstalled checkout registers it when this package is imported.  Everything
+that needs torch loads on first use, so ``loong`` (the estimator CLI) starts
+without importing torch.
 """
 
 from __future__ import annotations
 
+import importlib
+from importlib.metadata import entry_points
 from typing import Any
 
-from loong_compile import _compat
-from loong_compile.backend import LoongBackend, loong_backend
 from loong_compile.config import LoongConfig
 from loong_compile.errors import (
     LoongConfigError, LoongError, LoongMeshError, LoongRankMismatchError, LoongShapeError,
     LoongUnsupportedError,
 )
-from loong_compile.inspect import GraphReport, Report
 
-_compat.register_dynamo_backend("loong", loong_backend)
+# public name -> module that defines it (imported on first access)
+_LAZY = {
+    "LoongBackend": "loong_compile.backend",
+    "loong_backend": "loong_compile.backend",
+    "explain": "loong_compile.explain",
+    "GraphReport": "loong_compile.inspect",
+    "Report": "loong_compile.inspect",
+    "init_mesh": "loong_compile.mesh",
+    "shard_batch": "loong_compile.data",
+    "gather_sequence": "loong_compile.data",
+}
 
 
-def explain(model: Any, *example_inputs: Any, options: dict | LoongConfig | None = None,
-            **kwargs: Any) -> Report:
-    """Compile ``model`` for ``example_inputs`` and return the report, without a training step.
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'loong_compile' has no attribute {name!r}")
 
-    Keyword arguments named like a ``LoongConfig`` field are options (``hp=2``); the
-    others are passed to the model (``position_ids=...``).  The forward runs once
-    (that is how Dynamo traces); no backward, no optimizer step.  The backward graph
-    is compiled at once so its passes are reported too.  Under torchrun every rank
-    must call ``explain`` (the forward issues the model's collectives).
-    """
-    import torch
 
-    fields = set(LoongConfig.__dataclass_fields__)
-    merged = dict(options.to_dict() if isinstance(options, LoongConfig) else options or {})
-    merged.update({k: v for k, v in kwargs.items() if k in fields})
-    model_kwargs = {k: v for k, v in kwargs.items() if k not in fields}
-    graphs: dict[int, GraphReport] = {}
-    backend = LoongBackend(merged, on_report=lambda r: graphs.__setitem__(r.graph_id, r))
-    with _compat.eager_backward_compile():
-        torch.compile(model, backend=backend)(*example_inputs, **model_kwargs)
-    return Report(graphs=[graphs[k] for k in sorted(graphs)])
+def _register_backend_unless_installed() -> None:
+    if any(ep.name == "loong" for ep in entry_points(group="torch_dynamo_backends")):
+        return  # Dynamo loads it from the entry point itself
+    from loong_compile import _compat
+    from loong_compile.backend import loong_backend
 
+    _compat.register_dynamo_backend("loong", loong_backend)
+
+
+_register_backend_unless_installed()
 
 __all__ = [
     "GraphReport", "LoongBackend", "LoongConfig", "LoongConfigError", "LoongError",
     "LoongMeshError", "LoongRankMismatchError", "LoongShapeError", "LoongUnsupportedError",
-    "Report", "explain", "loong_backend",
+    "Report", "explain", "gather_sequence", "init_mesh", "loong_backend", "shard_batch",
 ]

@@ -25,24 +25,66 @@ def resolve_process_group(group_name: str):
     return _resolve_process_group(group_name)
 
 
+# PyTorch's flash-attention kernels (ops/kernels.py): the only aten ops that
+# return the log-sum-exp that ring attention merges on.  Checked: torch 2.13
+# (the CPU kernel takes float64/float32/bfloat16 and fewer KV heads than Q heads).
+
+def sdpa_flash_cpu(q, k, v, is_causal: bool, scale: float):
+    """``(out, lse)`` of ``aten._scaled_dot_product_flash_attention_for_cpu`` (no dropout)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, is_causal, scale=scale)
+
+
+def sdpa_flash_cpu_backward(dout, q, k, v, out, lse, is_causal: bool, scale: float):
+    """``(dq, dk, dv)`` of the CPU flash kernel, given the final ``out`` and ``lse``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, is_causal, scale=scale)
+
+
+def sdpa_flash_cuda(q, k, v, is_causal: bool, scale: float):
+    """``(out, lse)`` of ``aten._scaled_dot_product_flash_attention`` (CUDA, fp16/bf16)."""
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, is_causal, False, scale=scale)
+    return out, lse
+
+
+def sdpa_flash_cuda_backward(dout, q, k, v, out, lse, is_causal: bool, scale: float):
+    """``(dq, dk, dv)`` of the CUDA flash kernel.  Without dropout the philox state is
+    unused; ``None`` sequence offsets mean dense (not nested) inputs."""
+    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, is_causal, seed, offset,
+        scale=scale)
+
+
 # --- dynamo backend registry (backend.py) ------------------------------------
 
 def register_dynamo_backend(name: str, compiler_fn) -> None:
-    """Register ``name`` unless Dynamo knows it already (from our entry point or an earlier import).
+    """Register ``name`` unless Dynamo has it already (an earlier import, a reload).
 
-    Checked against torch 2.13: an installed entry point is loaded lazily by
-    ``lookup_backend``, which itself registers the name, so registering it from
-    the package's import as well would raise "duplicate name".
+    Checked against torch 2.13, where ``register_backend`` raises "duplicate name".
     """
-    from importlib.metadata import entry_points
-
     from torch._dynamo.backends import registry
 
-    if name in registry._COMPILER_FNS:
-        return
-    if any(ep.name == name for ep in entry_points(group="torch_dynamo_backends")):
-        return  # Dynamo finds and loads it itself
-    registry.register_backend(compiler_fn=compiler_fn, name=name)
+    if name not in registry._COMPILER_FNS:
+        registry.register_backend(compiler_fn=compiler_fn, name=name)
+
+
+# --- rank check (rank_check.py) ----------------------------------------------
+
+def default_store():
+    """The key-value store of the default process group (torch 2.13: ``_get_default_store``)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def store_wait(store, keys: list[str], timeout_s: float) -> None:
+    """Wait until every key is set; raise (a store error) after ``timeout_s`` seconds."""
+    from datetime import timedelta
+
+    store.wait(keys, timedelta(seconds=timeout_s))
 
 
 # --- AOTAutograd / partitioner (backend.py, passes/activations.py) ----------
@@ -59,6 +101,18 @@ def eager_backward_compile():
     import torch._functorch.config as functorch_config
 
     return functorch_config.patch(force_non_lazy_backward_lowering=True)
+
+
+def fake_mode_of(values):
+    """The FakeTensorMode the tensors in ``values`` (nested lists/tuples) belong to, or None.
+
+    The activation passes (passes/activations.py, recompute.py, offload.py) add nodes to
+    the partitioned graphs and compute their ``meta["val"]`` under the graphs' own fake
+    mode.  Checked against torch 2.13 (``torch._guards.detect_fake_mode``).
+    """
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(values)
 
 
 def compile_fx(gm, example_inputs, config_patches):

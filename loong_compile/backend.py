@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.fx
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
-from loong_compile import _compat
+from loong_compile import _compat, rank_check
 from loong_compile.config import LoongConfig
 from loong_compile.errors import LoongConfigError
 from loong_compile.inspect import Dumper, GraphReport, PassRecord
@@ -145,6 +145,7 @@ class _GraphCompile:
     def run(self, example_inputs: Sequence[Any]) -> Callable:
         self.run_stage("dynamo", self.gm, "dynamo")
         self.gm.recompile()
+        self._check_ranks_agree()
         lowering = self.config.lowering
         if lowering == "eager":
             return self.gm.forward
@@ -153,6 +154,20 @@ class _GraphCompile:
                 fw_compiler=self._aot_eager_compiler, bw_compiler=self._aot_eager_compiler,
                 partition_fn=self.partition)(self.gm, example_inputs)
         return _compat.compile_fx(self.gm, example_inputs, config_patches=self._inductor_patches())
+
+    def _check_ranks_agree(self) -> None:
+        """Before the graph's first collective runs, all ranks confirm they compiled the same."""
+        collectives = [_collective_signature(n) for n in self.gm.graph.nodes
+                       if n.op == "call_function" and _is_loong_op(n.target)]
+        if not collectives:
+            return
+        rank_check.check_same_compile(
+            rank_check.fingerprint(self.config.to_dict(), self.gm, collectives),
+            self.config.rank_check_timeout)
+        self.report.passes.append(PassRecord("rank_check", "dynamo", "dynamo", 0.0, {
+            "matched": len(collectives), "changed": 0,
+            "result": "all ranks compiled the same graph with the same options"}))
+        self._publish()
 
     @staticmethod
     def _aot_eager_compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -196,6 +211,16 @@ class _GraphCompile:
             h.update(Path(path).read_bytes())
         h.update(",".join(p.name for s in STAGES for p in self.active[s]).encode())
         return h.hexdigest()
+
+
+def _is_loong_op(target: Any) -> bool:
+    return getattr(target, "__module__", "").startswith("loong_compile.ops")
+
+
+def _collective_signature(node: torch.fx.Node) -> dict[str, Any]:
+    """What must match across ranks: the op and its sizes (group names differ per rank)."""
+    return {"op": node.target.__name__, "node": node.name,
+            **{k: v for k, v in node.kwargs.items() if not k.endswith("_group")}}
 
 
 def _module_file(obj: object) -> str:

@@ -30,12 +30,21 @@ class LoongConfig:
     activations: ``none`` (Inductor's partition), ``sc++`` (save layer inputs and attention
         outputs, recompute the rest), ``memo`` (offload + token-slice recompute).
     alpha: fraction of "other" activations' tokens offloaded under ``memo``; ``"auto"`` solves MEMO's LP.
+    host_bandwidth: host<->device copy bandwidth in bytes/s (MEMO's B); ``"auto"`` measures it.
+    host_memory: host bytes this rank may fill with offloaded activations (MEMO's M_CPU);
+        ``"auto"``: available host memory x 0.8, divided among the node's local ranks.
+    layer_time: forward seconds of one transformer layer (MEMO's T_layer); ``"auto"``: the
+        layer's FLOPs from the graph over a measured matmul rate.
+    resident_layers: under ``memo``, the last this-many transformer layers keep their saved
+        values on device, neither offloaded nor recomputed (MEMO's eq. 3 counts n - 2).
     memory_plan: give Inductor's buffers static offsets from the bi-level MIP.
     solver_time_limit: seconds per MIP solve.
     dump_dir: write graphs and reports here (per rank, per graph, per stage).
     disable_passes: names of passes to skip.
     lowering: ``inductor``; ``aot_eager`` / ``eager`` for debugging.
     strict: raise on any attention call that cannot be distributed, instead of falling back.
+    rank_check_timeout: seconds a rank waits for the others to confirm they compiled the same
+        graph before its first collective (then it raises instead of hanging).
     """
 
     hp: int = 1
@@ -44,12 +53,17 @@ class LoongConfig:
     inner_ring: int = 1
     activations: str = "none"
     alpha: float | str = "auto"
+    host_bandwidth: float | str = "auto"
+    host_memory: float | str = "auto"
+    layer_time: float | str = "auto"
+    resident_layers: int = 2
     memory_plan: bool = False
     solver_time_limit: float = 10.0
     dump_dir: str | None = None
     disable_passes: tuple[str, ...] = ()
     lowering: str = "inductor"
     strict: bool = False
+    rank_check_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -112,7 +126,11 @@ def _coerce(key: str, value: Any, from_env: bool = False) -> Any:
         return value
     if key in ("hp", "cp", "inner_ring"):
         return _parse(key, value, int, "an integer >= 1")
-    if key == "solver_time_limit":
+    if key == "resident_layers":
+        return _parse(key, value, int, "an integer >= 0")
+    if key in _MEASURED:
+        return value if value == "auto" else _parse(key, value, float, f'"auto" or {_MEASURED[key]}')
+    if key in ("solver_time_limit", "rank_check_timeout"):
         return _parse(key, value, float, "a number of seconds > 0")
     if key == "alpha":
         return value if value == "auto" else _parse(key, value, float, '"auto" or a float in [0, 1]')
@@ -137,6 +155,11 @@ def _parse(key: str, raw: str, kind: type, expected: str) -> Any:
                                f"set {ENV_PREFIX}{key.upper()} to {expected}") from None
 
 
+# Quantities MEMO's LP needs: "auto" (measured at compile time) or a number, with its rule.
+_MEASURED = {"host_bandwidth": "a number of bytes/s > 0", "host_memory": "a number of bytes >= 0",
+             "layer_time": "a number of seconds > 0"}
+
+
 def _check(key: str, value: Any) -> None:
     def bad(rule: str, fix: str) -> LoongConfigError:
         return LoongConfigError(f"{key}={value!r}", rule, fix)
@@ -156,13 +179,24 @@ def _check(key: str, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise bad('alpha must be "auto" or a number in [0, 1]',
                       'pass alpha="auto" to solve MEMO\'s LP, or a fraction such as 0.5')
+    elif key in _MEASURED:
+        if value == "auto":
+            return
+        low_ok = key == "host_memory"
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+                or (value == 0 and not low_ok) or value != value or value == float("inf")):
+            raise bad(f'{key} must be "auto" or {_MEASURED[key]}',
+                      f'pass {key}="auto" to measure it, or a finite number')
+    elif key == "resident_layers":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise bad("resident_layers must be an integer >= 0",
+                      "pass resident_layers=2 (MEMO's default) or another count of layers")
     elif key in ("memory_plan", "strict"):
         if not isinstance(value, bool):
             raise bad(f"{key} must be True or False", f"pass {key}=True or {key}=False")
-    elif key == "solver_time_limit":
+    elif key in ("solver_time_limit", "rank_check_timeout"):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise bad("solver_time_limit must be a positive number of seconds",
-                      "pass e.g. solver_time_limit=10")
+            raise bad(f"{key} must be a positive number of seconds", f"pass e.g. {key}=10")
     elif key == "dump_dir":
         if value is not None and not isinstance(value, (str, os.PathLike)):
             raise bad("dump_dir must be a path or None", 'pass e.g. dump_dir="out/"')

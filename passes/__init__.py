@@ -8,4 +8,16 @@ from __future__ import annotations
 
 
 def library_passes() -> list:
-    return []
+    from loong_compile.passes.activations import ActivationsPass
+    from loong_compile.passes.attention_2d import Attention2DPass
+    from loong_compile.passes.checkpoint import SelectiveCheckpointPass
+    from loong_compile.passes.offload import OffloadPass
+    from loong_compile.passes.recompute import TokenSliceRecomputePass
+
+    return [
+        Attention2DPass(),
+        SelectiveCheckpointPass(),
+        ActivationsPass(),
+        TokenSliceRecomputePass(),
+        OffloadPass(),
+    ]

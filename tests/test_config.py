@@ -6,8 +6,10 @@ from loong_compile import LoongConfig, LoongConfigError
 
 GOOD = {
     "hp": 2, "cp": 4, "placement": "context_first", "inner_ring": 2, "activations": "memo",
-    "alpha": 0.25, "memory_plan": True, "solver_time_limit": 3.5, "dump_dir": "out/",
+    "alpha": 0.25, "host_bandwidth": 12e9, "host_memory": 64 * 2**30, "layer_time": 0.004,
+    "resident_layers": 0, "memory_plan": True, "solver_time_limit": 3.5, "dump_dir": "out/",
     "disable_passes": ("attention_2d",), "lowering": "aot_eager", "strict": True,
+    "rank_check_timeout": 30.0,
 }
 
 BAD = {
@@ -17,12 +19,17 @@ BAD = {
     "inner_ring": [0, "x"],
     "activations": ["full", None],
     "alpha": [-0.1, 1.5, "half", True],
+    "host_bandwidth": [0, -1e9, "fast", True, float("nan"), float("inf")],
+    "host_memory": [-1, "lots", None, float("inf")],
+    "layer_time": [0, -0.5, "1ms", False],
+    "resident_layers": [-1, 1.5, "2", None],
     "memory_plan": ["yes", 1],
     "solver_time_limit": [0, -3, "10"],
     "dump_dir": [3],
     "disable_passes": [[1, 2]],
     "lowering": ["aot_inductor"],
     "strict": [0, "true"],
+    "rank_check_timeout": [0, -1, "soon"],
 }
 
 
@@ -70,18 +77,22 @@ def test_config_object_passes_through_and_is_frozen():
 
 ENV = {
     "LOONG_HP": "2", "LOONG_CP": "4", "LOONG_PLACEMENT": "context_first", "LOONG_INNER_RING": "2",
-    "LOONG_ACTIVATIONS": "sc++", "LOONG_ALPHA": "0.5", "LOONG_MEMORY_PLAN": "yes",
+    "LOONG_ACTIVATIONS": "sc++", "LOONG_ALPHA": "0.5", "LOONG_HOST_BANDWIDTH": "2.5e10",
+    "LOONG_HOST_MEMORY": "1e9", "LOONG_LAYER_TIME": "auto", "LOONG_RESIDENT_LAYERS": "1",
+    "LOONG_MEMORY_PLAN": "yes",
     "LOONG_SOLVER_TIME_LIMIT": "2", "LOONG_DUMP_DIR": "/tmp/d", "LOONG_DISABLE_PASSES": "a,b",
-    "LOONG_LOWERING": "eager", "LOONG_STRICT": "1", "PATH": "/bin",
+    "LOONG_LOWERING": "eager", "LOONG_STRICT": "1", "LOONG_RANK_CHECK_TIMEOUT": "20",
+    "PATH": "/bin",
 }
 
 
 def test_environment_sets_every_key():
     cfg = LoongConfig.from_options(None, environ=ENV)
     assert cfg == LoongConfig(hp=2, cp=4, placement="context_first", inner_ring=2,
-                              activations="sc++", alpha=0.5, memory_plan=True,
+                              activations="sc++", alpha=0.5, host_bandwidth=2.5e10,
+                              host_memory=1e9, layer_time="auto", resident_layers=1, memory_plan=True,
                               solver_time_limit=2.0, dump_dir="/tmp/d", disable_passes=("a", "b"),
-                              lowering="eager", strict=True)
+                              lowering="eager", strict=True, rank_check_timeout=20.0)
     assert {f"LOONG_{f.name.upper()}" for f in dataclasses.fields(LoongConfig)} <= set(ENV)
 
 
@@ -94,6 +105,8 @@ def test_options_override_environment():
     ("LOONG_HP", "two", "LOONG_HP='two'.*integer"),
     ("LOONG_MEMORY_PLAN", "maybe", "LOONG_MEMORY_PLAN='maybe'.*boolean"),
     ("LOONG_ALPHA", "2", "alpha=2.0.*\\[0, 1\\]"),
+    ("LOONG_HOST_BANDWIDTH", "fast", "LOONG_HOST_BANDWIDTH='fast'.*bytes/s"),
+    ("LOONG_RESIDENT_LAYERS", "-1", "resident_layers=-1.*>= 0"),
     ("LOONG_FOO", "1", "unknown environment variable LOONG_FOO"),
 ])
 def test_bad_environment(name, value, match):

@@ -1,0 +1,20 @@
+"""Memory estimator (sympy), 2D-Attention cost model and configuration search (docs/estimator.md).
+
+None of it imports torch: ``loong plan`` runs on a laptop.
+"""
+
+from loong_compile.estimate.cost import AttentionCost, LayerCost, attention_cost, layer_cost
+from loong_compile.estimate.hardware import PROFILES, HardwareProfile, load_hardware
+from loong_compile.estimate.memory import (
+    LayerActivations, MemoryBreakdown, MemoryOptions, ParallelConfig, SavedTensor, Term, category_bytes,
+    estimate_memory, layer_activations, memory_terms,
+)
+from loong_compile.estimate.models import PRESETS, ModelSpec, load_model
+from loong_compile.estimate.search import Candidate, Plan, Pruned, plan
+
+__all__ = [
+    "AttentionCost", "Candidate", "HardwareProfile", "LayerActivations", "LayerCost", "MemoryBreakdown",
+    "MemoryOptions", "ModelSpec", "PRESETS", "PROFILES", "ParallelConfig", "Plan", "Pruned", "SavedTensor",
+    "Term", "attention_cost", "category_bytes", "estimate_memory", "layer_activations", "layer_cost",
+    "load_hardware", "load_model", "memory_terms", "plan",
+]

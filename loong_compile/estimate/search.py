@@ -1,0 +1,202 @@
+"""Configuration search: which (dp, cp, hp, placement, inner ring, activation policy) fit, and
+which is fastest.
+
+Every ``dp x cp x hp = gpus`` grid (tp = pp = 1: the backend's mesh) is enumerated with both
+placements and every inner-ring size; each activation policy (MEMO on a grid of ``alpha``
+values) and ZeRO stage is estimated for memory (the 80% rule: ``MemoryBreakdown.verdict``)
+and host memory (memo).  What fits is ranked by predicted throughput (``layer_cost``); what
+does not is kept with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from loong_compile.errors import LoongConfigError
+from loong_compile.estimate.cost import PLACEMENTS, LayerCost, layer_cost
+from loong_compile.estimate.hardware import HardwareProfile
+from loong_compile.estimate.memory import (
+    MemoryBreakdown, MemoryOptions, ParallelConfig, category_bytes, estimate_memory,
+)
+from loong_compile.estimate.models import ModelSpec
+
+BACKEND_POLICIES = ("none", "sc++", "memo")   # the policies the backend's `activations` option has
+
+
+def divisors(n: int) -> list[int]:
+    return [x for x in range(1, n + 1) if n % x == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A configuration that fits, with its memory and predicted time."""
+
+    config: ParallelConfig
+    placement: str
+    activations: str
+    alpha: float | None
+    zero: int
+    memory: MemoryBreakdown
+    cost: LayerCost
+    layers: int
+
+    @property
+    def step_s(self) -> float:
+        """Forward + backward of every layer for one micro-batch per DP replica."""
+        return self.layers * self.cost.total_s
+
+    @property
+    def tokens_per_gpu_s(self) -> float:
+        return self.config.micro_batch * self.config.seq / self.config.sp / self.step_s
+
+    @property
+    def options(self) -> dict:
+        """What to pass as ``torch.compile(..., backend="loong", options=...)``."""
+        out = {"hp": self.config.hp, "cp": self.config.cp, "placement": self.placement,
+               "inner_ring": self.config.inner_ring, "activations": self.activations}
+        if self.activations == "memo":
+            out["alpha"] = self.alpha
+        return out
+
+    def describe(self) -> dict:
+        return {"dp": self.config.dp, "cp": self.config.cp, "hp": self.config.hp,
+                "placement": self.placement, "inner_ring": self.config.inner_ring,
+                "activations": self.activations, "alpha": self.alpha, "zero": self.zero}
+
+    def to_dict(self) -> dict:
+        return {**self.describe(), "memory": self.memory.to_dict(), "cost": self.cost.to_dict(),
+                "step_s": self.step_s, "tokens_per_gpu_s": self.tokens_per_gpu_s,
+                "options": self.options}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pruned:
+    """A configuration left out, and why."""
+
+    config: dict
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    model: ModelSpec
+    seq: int
+    gpus: int
+    hardware: HardwareProfile
+    ranked: tuple[Candidate, ...]
+    pruned: tuple[Pruned, ...]
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.ranked[0] if self.ranked else None
+
+    def pruned_reasons(self) -> Counter:
+        """How many configurations each kind of reason pruned (the reason's text before ':')."""
+        return Counter(p.reason.split(":")[0] for p in self.pruned)
+
+    def to_dict(self, top: int | None = None) -> dict:
+        return {"model": self.model.as_dict(), "seq": self.seq, "gpus": self.gpus,
+                "hardware": self.hardware.as_dict(),
+                "ranked": [c.to_dict() for c in self.ranked[:top]],
+                "pruned": [dataclasses.asdict(p) for p in self.pruned],
+                "pruned_reasons": dict(self.pruned_reasons())}
+
+
+def _grids(model: ModelSpec, seq: int, gpus: int, placements, pruned: list[Pruned]):
+    """Valid (config without policy, placement) pairs; invalid grids go to ``pruned``."""
+    for hp in divisors(gpus):
+        for cp in divisors(gpus // hp):
+            dp = gpus // (hp * cp)
+            grid = {"dp": dp, "cp": cp, "hp": hp}
+            if model.heads % hp:
+                pruned.append(Pruned(grid, f"heads: d_hp={hp} does not divide the {model.heads} heads"))
+                continue
+            if seq % (2 * cp * hp) and cp * hp > 1:
+                pruned.append(Pruned(grid, f"sequence: {seq} tokens do not split into 2*cp*hp = "
+                                           f"{2 * cp * hp} zigzag chunks"))
+                continue
+            # w = cp is the same single ring as w = 1; with hp = 1 or cp = 1 both placements coincide.
+            rings = [w for w in divisors(cp) if w < cp] or [1]
+            for placement in placements if hp > 1 and cp > 1 else placements[:1]:
+                for w in rings:
+                    yield ParallelConfig(seq=seq, dp=dp, cp=cp, hp=hp, inner_ring=w), placement
+
+
+def plan(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, *,
+         policies: tuple[str, ...] = BACKEND_POLICIES, alphas: tuple[float, ...] = (0.0, 0.5, 1.0),
+         zero_stages: tuple[int, ...] = (1,), micro_batch: int = 1,
+         placements: tuple[str, ...] = PLACEMENTS,
+         memory_options: MemoryOptions | None = None) -> Plan:
+    """Enumerate, prune and rank.  ``memory_options`` supplies the switches and overheads
+    (default ``MemoryOptions.loongtrain()``); its policy, alpha and ZeRO stage are searched."""
+    for name, value in (("seq", seq), ("gpus", gpus), ("micro_batch", micro_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LoongConfigError(f"{name}={value!r}", f"{name} must be a positive integer",
+                                   f"pass a positive {name}")
+    unknown = [x for x in policies if x not in BACKEND_POLICIES]
+    if unknown or not policies:
+        raise LoongConfigError(f"activations={','.join(policies)!r}",
+                               f"the backend's policies are {', '.join(BACKEND_POLICIES)}",
+                               "pass a comma-separated subset of them")
+    bad_placements = [x for x in placements if x not in PLACEMENTS]
+    if bad_placements or not placements:
+        raise LoongConfigError(f"placements={','.join(placements)!r}",
+                               f"placements are {', '.join(PLACEMENTS)}", "pass a subset of them")
+    base = memory_options or MemoryOptions.loongtrain()
+    host_budget_gib = base.usable_fraction * hardware.host_memory_gib / hardware.gpus_per_node
+    ranked, pruned = [], []
+    for grid, placement in _grids(model, seq, gpus, placements, pruned):
+        config = dataclasses.replace(grid, micro_batch=micro_batch)
+        for zero in zero_stages:
+            for policy in policies:
+                for alpha in alphas if policy == "memo" else (None,):
+                    options = dataclasses.replace(base, activations=policy, zero=zero,
+                                                  alpha=1.0 if alpha is None else alpha)
+                    described = {"dp": config.dp, "cp": config.cp, "hp": config.hp,
+                                 "placement": placement, "inner_ring": config.inner_ring,
+                                 "activations": policy, "alpha": alpha, "zero": zero}
+                    memory = estimate_memory(model, config, options, hardware.memory_gib)
+                    reason = _memory_reason(memory, host_budget_gib)
+                    if reason:
+                        pruned.append(Pruned(described, reason))
+                        continue
+                    offload = 0.0
+                    if policy == "memo":
+                        sizes = category_bytes(model, config, options)
+                        offload = sizes["input"] + sizes["attention"] + alpha * sizes["others"]
+                    cost = layer_cost(model, config, placement, hardware, policy, alpha or 0.0,
+                                      offload, options.dtype_bytes)
+                    ranked.append(Candidate(config, placement, policy, alpha, zero, memory, cost,
+                                            model.layers))
+    ranked = _drop_dominated_rings(ranked, pruned)
+    ranked.sort(key=lambda x: (-x.tokens_per_gpu_s, x.memory.estimate_gib, placements.index(x.placement)))
+    return Plan(model, seq, gpus, hardware, tuple(ranked), tuple(pruned))
+
+
+def _drop_dominated_rings(ranked: list[Candidate], pruned: list[Pruned]) -> list[Candidate]:
+    """A larger inner ring that is no faster than a smaller one (both hide behind compute) is
+    left out in favour of the smaller, simpler one."""
+    kept, fastest = [], {}
+    for c in sorted(ranked, key=lambda x: x.config.inner_ring):
+        key = tuple(v for k, v in c.describe().items() if k != "inner_ring")
+        best = fastest.get(key)
+        if best is not None and c.cost.total_s >= best.cost.total_s * (1 - 1e-9):
+            pruned.append(Pruned(c.describe(), f"dominated: no faster than inner_ring={best.config.inner_ring}"))
+            continue
+        fastest[key] = c
+        kept.append(c)
+    return kept
+
+
+def _memory_reason(memory: MemoryBreakdown, host_budget_gib: float) -> str | None:
+    if memory.verdict == "exceeds":
+        return (f"memory: {memory.estimate_gib:.2f} GiB estimate, {memory.total_gib:.2f} GiB with "
+                f"overheads, over the {memory.capacity_gib:g} GiB GPU")
+    if memory.verdict == "near limit":
+        return (f"memory (headroom rule): {memory.estimate_gib:.2f} GiB estimate > {memory.limit_gib:.2f} GiB "
+                f"= {memory.usable_fraction:g} x {memory.capacity_gib:g} GiB")
+    if memory.host_gib > host_budget_gib:
+        return (f"host memory: {memory.host_gib:.2f} GiB offloaded per GPU > {host_budget_gib:.2f} GiB "
+                "host budget per GPU")
+    return None

@@ -1,0 +1,137 @@
+"""The ``loong`` command: tables, JSON, plots, and exit code 2 with a message on bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from loong_compile.cli import main
+
+
+def run(capsys, *argv):
+    """(exit code, stdout, stderr) of ``loong argv`` run in-process."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:          # argparse rejects syntax and values this way
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_estimate_prints_the_breakdown(capsys):
+    code, out, _ = run(capsys, "estimate", "--model", "llama3.1-8b", "--seq", "8192", "--gpus", "8",
+                       "--tp", "4", "--pp", "2", "--gpu", "a100-40gb")
+    assert code == 0
+    assert "optimizer states" in out and "27.20" in out and "fits" in out
+
+
+def test_estimate_json_matches_the_paper_cell(capsys):
+    code, out, _ = run(capsys, "estimate", "--model", "llama3.1-8b", "--seq", "8K", "--gpus", "16",
+                       "--tp", "2", "--cp", "2", "--pp", "4", "--capacity-gib", "40", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["estimate_gib"] == pytest.approx(23.19, abs=0.01)   # Table 2
+    assert data["config"]["dp"] == 1 and data["verdict"] == "fits"
+
+
+def test_estimate_extension_switches(capsys):
+    code, out, _ = run(capsys, "estimate", "--model", "7b-gqa", "--seq", "1M", "--gpus", "64", "--cp", "8",
+                       "--hp", "8", "--inner-ring", "2", "--zero", "3", "--activations", "memo", "--alpha",
+                       "0.25", "--exact", "--double-ring-buffers", "--cuda-context-gib", "0.5",
+                       "--gpu", "a100", "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert {"activations: MEMO rounding buffers", "Double-Ring KV buffers"} <= set(data["terms_gib"])
+    assert data["host_gib"]["host: offloaded activations"] > 0
+    assert data["overheads_gib"]["CUDA context"] == 0.5
+
+
+def test_plan_prints_a_ranked_table_and_options(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "llama3.1-8b", "--seq", "128K", "--gpus", "64", "--gpu", "h100")
+    assert code == 0
+    assert "attn ms/layer" in out and "headroom" in out
+    assert 'backend="loong", options={' in out and "pruned:" in out
+
+
+def test_plan_json(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "7b-gqa", "--seq", "256K", "--gpus", "32", "--gpu", "a100",
+                       "--activations", "sc++,memo", "--alphas", "0.5", "--top", "3", "--json")
+    data = json.loads(out)
+    assert code == 0 and len(data["ranked"]) == 3
+    first = data["ranked"][0]
+    assert first["options"]["activations"] in ("sc++", "memo") and first["cost"]["attention"]["total_s"] > 0
+    assert sum(data["pruned_reasons"].values()) == len(data["pruned"])
+
+
+def test_plan_with_user_defined_hardware(capsys, tmp_path):
+    profile = tmp_path / "cluster.json"
+    profile.write_text(json.dumps({"memory_gib": 64, "gpus_per_node": 4, "nics_per_node": 2, "nic_gbps": 25,
+                                   "nvlink_gbps": 100, "hbm_gbps": 1600, "peak_tflops": 200}))
+    code, out, _ = run(capsys, "plan", "--model", "7b-mha", "--seq", "64K", "--gpus", "16", "--gpu", str(profile),
+                       "--gpu-opt", "nics_per_node=4", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["hardware"]["nics_per_node"] == 4 and data["hardware"]["name"] == "cluster"
+
+
+def test_plot_files(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    est, pln = tmp_path / "memory.png", tmp_path / "plan.svg"
+    assert run(capsys, "estimate", "--model", "llama2-7b", "--seq", "4096", "--gpus", "8", "--tp", "2",
+               "--gpu", "a100", "--plot", str(est))[0] == 0
+    assert run(capsys, "plan", "--model", "7b-gqa", "--seq", "128K", "--gpus", "16", "--gpu", "a100",
+               "--plot", str(pln))[0] == 0
+    assert est.read_bytes().startswith(b"\x89PNG") and b"<svg" in pln.read_bytes()[:400]
+
+
+def test_hugging_face_config(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+                                  "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 128256}))
+    code, out, _ = run(capsys, "estimate", "--model", str(config), "--seq", "8192", "--gpus", "2",
+                       "--capacity-gib", "80", "--json")
+    assert code == 0 and json.loads(out)["model"]["kv_heads"] == 8
+
+
+BAD_INPUTS = [
+    (("estimate", "--model", "llama9", "--seq", "8192", "--gpu", "h100"), "unknown model 'llama9'"),
+    (("plan", "--model", "llama3.1-8b", "--seq", "128K", "--gpus", "64", "--gpu", "tpu"), "unknown GPU 'tpu'"),
+    (("estimate", "--model", "llama3.1-8b", "--seq", "8192", "--gpus", "63", "--cp", "8", "--gpu", "h100"),
+     "--gpus 63"),
+    (("estimate", "--model", "llama3.1-8b", "--seq", "1000", "--cp", "8", "--gpu", "h100"), "seq=1000"),
+    (("estimate", "--model", "llama3.1-8b", "--seq", "8192", "--hp", "3", "--gpu", "h100"), "tp*hp=3"),
+    (("estimate", "--model", "llama3.1-8b", "--seq", "8192", "--gpus", "8"), "capacity missing"),
+    (("estimate", "--model", "llama3.1-8b", "--seq", "0", "--gpu", "h100"), "'0' is not a positive integer"),
+    (("estimate", "--model", "llama3.1-8b", "--seq", "8192", "--cp", "-2", "--gpu", "h100"),
+     "'-2' is not a positive integer"),
+    (("estimate", "--model", "llama3.1-8b", "--seq", "8192", "--gpus", "8", "--capacity-gib", "0"),
+     "'0' is not a number > 0"),
+    (("estimate", "--model", "llama3.1-8b", "--seq", "8192", "--alpha", "2", "--gpu", "h100"),
+     "'2' is not a number >= 0 and <= 1"),
+    (("plan", "--model", "llama3.1-8b", "--seq", "128K", "--gpus", "64"), "hardware missing"),
+    (("plan", "--model", "llama3.1-8b", "--seq", "128K", "--gpus", "64", "--gpu", "h100",
+      "--gpu-opt", "nics=4"), "unknown hardware field(s) nics"),
+    (("plan", "--model", "llama3.1-8b", "--seq", "128K", "--gpus", "64", "--gpu", "h100",
+      "--activations", "full"), "'full': choose from none, sc++, memo"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_bad_input_exits_2_naming_the_value(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err and out == ""
+
+
+def test_profile_without_capacity(capsys, tmp_path):
+    profile = tmp_path / "nocap.json"
+    profile.write_text(json.dumps({"gpus_per_node": 8, "nics_per_node": 4, "nic_gbps": 25, "nvlink_gbps": 300,
+                                   "hbm_gbps": 2000, "peak_tflops": 300}))
+    code, _, err = run(capsys, "plan", "--model", "7b-gqa", "--seq", "128K", "--gpus", "8", "--gpu", str(profile))
+    assert code == 2 and "missing capacity (memory_gib)" in err
+
+
+def test_console_script_exit_code():
+    """The installed entry point's module, as a process: status 2 and the message on stderr."""
+    proc = subprocess.run([sys.executable, "-m", "loong_compile.cli", "plan", "--model", "nope", "--seq", "8K",
+                           "--gpus", "8", "--gpu", "h100"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown model 'nope'" in proc.stderr
