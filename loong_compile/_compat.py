@@ -166,3 +166,244 @@ def trace_artifact(name: str, payload: str, encoding: str = "string") -> None:
 
 
 # --- Inductor memory planning (passes/memory_plan.py) ------------------------
+#
+# How our offsets reach Inductor (checked against torch 2.13):
+# * ``config.memory_planning=True`` makes the wrapper codegen pass its
+#   allocation lines through ``codegen.memory_planning.MemoryPlanner``, which
+#   joins in-place reuses into ``BufferGroup``s, numbers the steps (live ranges
+#   are half-open ``[alloc step, free step)``), places the groups in
+#   ``AllocationPool``s and emits ``alloc_from_pool(pool, offset, ...)``.
+# * ``PythonWrapperCodegen.run_wrapper_ir_passes(is_inference)`` only runs that
+#   planner for inference graphs.  Our ``_post_fusion_custom_pass`` (a config
+#   entry, so scoped to one ``compile_fx`` and part of the FX-graph cache key
+#   through ``uuid()``) runs after fusion, when ``V.graph.wrapper_code`` already
+#   exists, and replaces ``run_wrapper_ir_passes`` on that one wrapper object.
+# * Our ``MemoryPlanner`` subclass keeps Inductor's handling of graph outputs
+#   (each its own pool: normal allocation, freed with the output) and puts all
+#   intermediates of a device in one pool at the offsets the planner returns.
+
+import functools  # noqa: E402 - this section's imports, kept with it
+
+from torch._inductor.custom_graph_pass import CustomSchedulerPass  # noqa: E402
+
+
+class PoolBuffer:
+    """One Inductor ``BufferGroup`` of intermediates, as the planner sees it."""
+
+    __slots__ = ("names", "size", "start", "end", "origins", "device")
+
+    def __init__(self, names, size, start, end, origins, device):
+        self.names = names        # the group's buffer names (in-place reuses share a group)
+        self.size = size          # bytes (Inductor's size hint)
+        self.start = start        # half-open live range [start, end) in planning steps
+        self.end = end
+        self.origins = origins    # [(fx node name, [nn.Module paths outer->inner])] in graph order
+        self.device = device
+
+    def __repr__(self):
+        return f"PoolBuffer({self.names}, {self.size} B, [{self.start}, {self.end}))"
+
+
+class PoolRequest:
+    """What one graph's pool planning hands to the planner callback.
+
+    ``outputs`` and ``inductor_pools`` are ``(bytes, start, end)`` triples: the
+    graph outputs' own allocations, and the pools Inductor's own heuristic
+    would create (outputs' pools included), live from first to last use.
+    """
+
+    __slots__ = ("graph_name", "is_inference", "device", "buffers", "outputs",
+                 "inductor_pools", "offsets")
+
+    def __init__(self, graph_name, is_inference, device, buffers, outputs, inductor_pools):
+        self.graph_name = graph_name
+        self.is_inference = is_inference
+        self.device = device
+        self.buffers = buffers                  # list[PoolBuffer]: the intermediates
+        self.outputs = outputs
+        self.inductor_pools = inductor_pools
+        self.offsets = None                     # the planner's answer, per buffer
+
+
+def _module_paths(fx_node) -> list[str]:
+    """``nn_module_stack`` paths of an fx node; backward nodes carry the forward's stack."""
+    stack = fx_node.meta.get("nn_module_stack") or fx_node.meta.get("fwd_nn_module_stack") or {}
+    return [path for path, _cls in stack.values()]
+
+
+def _graph_name(is_inference: bool) -> str:
+    """AOTAutograd's name for the graph being compiled (``0_forward``), if any."""
+    context = torch._guards.TracingContext.try_get()
+    names = getattr(context, "aot_graph_name", None) if context is not None else None
+    return "_".join(names) if names else ("inference" if is_inference else "graph")
+
+
+def _graph_positions():
+    from torch._inductor.virtualized import V
+
+    gm = getattr(V.graph, "module", None)
+    return {n.name: k for k, n in enumerate(gm.graph.nodes)} if gm is not None else {}
+
+
+def _inductor_own_pools(allocations, output_allocations) -> list[tuple[int, int, int]]:
+    """The pools Inductor's own heuristic makes for these allocations: (bytes, start, end).
+
+    Run on fresh ``Allocation`` copies so that the real ones stay untouched.
+    """
+    from torch._inductor.codegen.memory_planning import Allocation, AllocationPools
+
+    def copy(a):
+        return Allocation(a.node, a.live_range, size_hint=a.size_hint, symbolic_size=a.symbolic_size)
+
+    pools = AllocationPools()
+    for block in sorted((copy(a) for a in output_allocations),
+                        key=lambda x: (x.size_hint, -len(x.live_range))):
+        pools.allocate_output(block)
+    for block in sorted((copy(a) for a in allocations),
+                        key=lambda x: (-x.size_hint, -len(x.live_range))):
+        pools.allocate(block)
+    out = []
+    for pool in (p for ps in pools.device_to_pools.values() for p in ps):
+        live = pool.root.get_live_ranges()
+        out.append((int(pool.root.get_size_hint()), int(live.begin), int(live.end)))
+    return out
+
+
+@functools.cache
+def _pool_planner_class():
+    """Build the MemoryPlanner subclass on first use (keeps Inductor's codegen out of import)."""
+    import dataclasses
+
+    import sympy
+    from torch._inductor.codegen import memory_planning as mp
+
+    @dataclasses.dataclass
+    class FixedPlacement(mp.AllocationTreeNode):
+        """Allocations at offsets chosen outside Inductor, in an arena of ``size`` bytes."""
+
+        allocations: list
+        offsets: list
+        size: int
+
+        def get_live_ranges(self):
+            return mp.LiveRanges(a.live_range for a in self.allocations)
+
+        def get_size_hint(self):
+            return self.size
+
+        def get_symbolic_size(self):
+            return sympy.Integer(self.size)
+
+        def finalize(self, pool, offset):
+            for a, off in zip(self.allocations, self.offsets):
+                a.finalize(pool, offset + off)
+            return self
+
+    class LoongMemoryPlanner(mp.MemoryPlanner):
+        """Inductor's pool planner with the intermediates placed by ``planner(request)``."""
+
+        def __init__(self, wrapper, planner, is_inference):
+            super().__init__(wrapper)
+            self.planner, self.is_inference = planner, is_inference
+
+        def allocate_groups(self):
+            from torch._inductor.utils import _align
+            from torch._inductor.virtualized import V
+
+            for group in self.buffer_groups:
+                group.make_allocation()
+            outputs = [g.allocation for g in self.buffer_groups if g.is_output]
+            for block in sorted(outputs, key=lambda x: (x.size_hint, -len(x.live_range))):
+                self.pools.allocate_output(block)
+            by_device = {}
+            for group in self.buffer_groups:
+                if not group.is_output:
+                    by_device.setdefault(group.allocation.device, []).append(group)
+            positions = _graph_positions()
+            for device, groups in by_device.items():
+                allocations = [g.allocation for g in groups]
+                static = all(isinstance(a.symbolic_size, (int, sympy.Integer))
+                             and a.get_earliest_available() is None for a in allocations)
+                offsets = None
+                if static:
+                    request = PoolRequest(
+                        graph_name=_graph_name(self.is_inference),
+                        is_inference=self.is_inference, device=str(device),
+                        buffers=[PoolBuffer(list(g.names), int(g.allocation.size_hint),
+                                            int(g.live_range.begin),
+                                            # a group never freed still lives through the
+                                            # kernel after its allocation
+                                            max(int(g.live_range.end), int(g.live_range.begin) + 1),
+                                            sorted(((o.name, _module_paths(o))
+                                                    for o in g.node.get_origins()),
+                                                   key=lambda o: positions.get(o[0], -1)),
+                                            str(device))
+                                 for g in groups],
+                        outputs=[(int(a.size_hint), int(a.live_range.begin), int(a.live_range.end))
+                                 for a in outputs if a.device == device],
+                        inductor_pools=_inductor_own_pools(
+                            allocations, [a for a in outputs if a.device == device]))
+                    offsets = self.planner(request)
+                if offsets is None:  # dynamic sizes, or the planner declined: Inductor's own plan
+                    for block in sorted(allocations, key=lambda x: (-x.size_hint, -len(x.live_range))):
+                        self.pools.allocate(block)
+                    continue
+                arena = max(off + _align(a.size_hint) for a, off in zip(allocations, offsets))
+                for a in allocations:
+                    a.mark_allocated()
+                root = mp.TemporalSplit([FixedPlacement(allocations, list(offsets), arena)])
+                self.pools.device_to_pools.setdefault(device, []).append(
+                    mp.AllocationPool(device, root, can_expand=False))
+            self.pools.finalize()
+
+    return LoongMemoryPlanner
+
+
+def pool_planning_patches(planner, cache_key: str) -> dict:
+    """Inductor config patches that place every graph's intermediates with ``planner``.
+
+    ``planner(request: PoolRequest) -> list[int] | None`` returns one byte
+    offset per ``request.buffers`` entry (a verified plan; offsets aligned to
+    Inductor's 64 bytes) or None to keep Inductor's own pool plan.  Applies to
+    training and inference graphs alike; graph inputs and outputs keep their
+    normal allocation.  Hand the dict to ``compile_fx(config_patches=...)``.
+    """
+    return {
+        "memory_planning": True,
+        "memory_pool": "intermediates",
+        "_post_fusion_custom_pass": PoolPlanningHook(planner, cache_key),
+    }
+
+
+def _install_pool_planning(wrapper, planner) -> None:
+    """Make this one wrapper run pool planning with ``planner``, training graphs included."""
+    import types
+
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    if getattr(wrapper, "_loong_pool_planning", False):
+        return
+    # Only the Python wrapper's planner is replaced (the C++ wrappers have their own).
+    if type(wrapper).memory_plan is not PythonWrapperCodegen.memory_plan:
+        return
+    planner_class = _pool_planner_class()
+
+    def run_wrapper_ir_passes(self, is_inference):
+        self.lines = planner_class(self, planner, is_inference).plan(self.lines)
+
+    wrapper.run_wrapper_ir_passes = types.MethodType(run_wrapper_ir_passes, wrapper)
+    wrapper._loong_pool_planning = True
+
+
+class PoolPlanningHook(_KeyedHook, CustomSchedulerPass):
+    """``_post_fusion_custom_pass``: leaves the nodes alone, hooks this graph's wrapper.
+
+    Module level (and pickled as its cache key only, see ``_KeyedHook``):
+    Inductor pickles its config, this entry included, for the FX graph cache key.
+    """
+
+    def __call__(self, nodes):
+        from torch._inductor.virtualized import V
+
+        _install_pool_planning(V.graph.wrapper_code, self.fn)
+        return nodes

@@ -1,0 +1,16 @@
+"""Runtime ops that the graph passes emit: 2D-Attention and its pieces.
+
+Importing this package registers the custom ops ``torch.ops.loong.seq_all_to_all``,
+``torch.ops.loong.ring_attention_fwd`` (returns ``(out, lse)``) and
+``torch.ops.loong.ring_attention_bwd``.
+"""
+
+from loong_compile.ops.alltoall import seq_all_to_all
+from loong_compile.ops.attention import attention_2d, check_attention_inputs
+from loong_compile.ops.comm import comm_counters, reset_comm_counters
+from loong_compile.ops.ring import merge_partial, ring_attention_bwd, ring_attention_fwd
+
+__all__ = [
+    "attention_2d", "check_attention_inputs", "comm_counters", "merge_partial",
+    "reset_comm_counters", "ring_attention_bwd", "ring_attention_fwd", "seq_all_to_all",
+]

@@ -1,0 +1,233 @@
+"""The device mesh of 2D-Attention: ``dp × cp × hp`` ranks, placement, Double-Ring groups.
+
+``sp = hp·cp`` ranks share one sequence (LoongTrain §4.1); ``world = dp·sp``.
+The mesh tensor (global rank at each ``(dp, cp, hp)`` coordinate) is the one
+place that knows which rank sits where; every group below is read off it.
+
+* ``head_first``: the ranks of one HP group are consecutive (the all-to-all
+  stays inside a node); ``context_first``: those of one CP group are (§4.4).
+* Each CP group is cut into ``cp / w`` inner rings of ``w`` consecutive CP
+  ranks; the rings at the same position ``j`` form the outer rings (§4.3).
+  KV travels on the ``kv_inner`` / ``kv_outer`` groups; the gradients dK/dV
+  have their own ``dkv_inner`` group and a ``dkv_outer`` group spanning the
+  CP group (their last hop of an inner ring goes to ``(i+1, j+1)``, see
+  ops/ring.py), so backward traffic never queues behind KV on one communicator.
+
+Every ring group is created with its ranks in ring order, so a rank's position
+in the ring is its rank in the group.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from loong_compile.errors import LoongMeshError
+
+log = logging.getLogger(__name__)
+
+PLACEMENTS = ("head_first", "context_first")
+MESH_DIMS = ("dp", "cp", "hp")
+
+# the ring groups of one CP group, in the order they are created
+RING_GROUPS = ("kv_inner", "kv_outer", "dkv_inner", "dkv_outer")
+
+
+def rank_layout(dp: int, cp: int, hp: int, placement: str) -> torch.Tensor:
+    """Global rank at each ``(dp, cp, hp)`` coordinate."""
+    ranks = torch.arange(dp * cp * hp)
+    if placement == "head_first":
+        return ranks.reshape(dp, cp, hp)
+    return ranks.reshape(dp, hp, cp).transpose(1, 2)
+
+
+def ring_rank_lists(cp_line: list[int], inner_ring: int) -> dict[str, list[list[int]]]:
+    """The ring groups of one CP group (its global ranks in CP order), each in ring order."""
+    w = inner_ring
+    n_outer = len(cp_line) // w
+    inner = [cp_line[i * w:(i + 1) * w] for i in range(n_outer)]
+    outer = [cp_line[j::w] for j in range(w)]
+    return {"kv_inner": inner, "kv_outer": outer, "dkv_inner": inner, "dkv_outer": [cp_line]}
+
+
+@dataclass(frozen=True, eq=False)
+class LoongMesh:
+    """Sizes, this rank's coordinates and the process groups (by name) of a 2D-Attention mesh."""
+
+    dp: int
+    hp: int
+    cp: int
+    inner_ring: int
+    placement: str
+    rank: int
+    layout: torch.Tensor                       # (dp, cp, hp) -> global rank
+    device_mesh: object | None                 # torch DeviceMesh, dims ("dp", "cp", "hp")
+    group_names: dict[str, str]                # kind -> this rank's group name ("" = size 1)
+    group_ranks: dict[str, list[list[int]]]    # kind -> every group of that kind, in ring order
+    _world: object | None = field(default=None, repr=False)
+
+    @property
+    def sp(self) -> int:
+        return self.hp * self.cp
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.sp
+
+    @property
+    def outer_ring(self) -> int:
+        return self.cp // self.inner_ring
+
+    def coords(self, rank: int | None = None) -> tuple[int, int, int]:
+        """``(dp_rank, cp_rank, hp_rank)`` of ``rank`` (default: this rank)."""
+        return self._coords[self.rank if rank is None else rank]
+
+    @functools.cached_property
+    def _coords(self) -> dict[int, tuple[int, int, int]]:
+        ranks = self.layout.tolist()
+        positions = itertools.product(*map(range, self.layout.shape))
+        return {ranks[d][c][h]: (d, c, h) for d, c, h in positions}
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords()[0]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords()[1]
+
+    @property
+    def hp_rank(self) -> int:
+        return self.coords()[2]
+
+    @property
+    def outer_rank(self) -> int:
+        """Index ``i`` of this rank's inner ring inside its CP group."""
+        return self.cp_rank // self.inner_ring
+
+    @property
+    def inner_rank(self) -> int:
+        """Position ``j`` of this rank inside its inner ring."""
+        return self.cp_rank % self.inner_ring
+
+    def attention_kwargs(self) -> dict[str, object]:
+        """Keyword arguments of ``loong_compile.ops.attention_2d`` (ints and group names)."""
+        return {
+            "hp": self.hp, "cp": self.cp, "inner_ring": self.inner_ring,
+            "hp_group": self.group_names["hp"],
+            **{f"{kind}_group": self.group_names[kind] for kind in RING_GROUPS},
+        }
+
+    def describe(self) -> str:
+        """The plan: sizes and the ranks of every group."""
+        lines = [f"LoongMesh dp={self.dp} cp={self.cp} hp={self.hp} inner_ring={self.inner_ring} "
+                 f"outer_ring={self.outer_ring} placement={self.placement} world={self.world}"]
+        lines += [f"  {kind:9s} groups: {ranks}" for kind, ranks in self.group_ranks.items()]
+        return "\n".join(lines)
+
+
+_CACHE: dict[tuple, LoongMesh] = {}
+
+
+def init_mesh(hp: int = 1, cp: int = 1, placement: str = "head_first", inner_ring: int = 1,
+              dp: int | None = None) -> LoongMesh:
+    """The (cached) mesh for these sizes.
+
+    Works with an initialised default process group, and without one when
+    ``hp = cp = 1`` (a single-process mesh with no groups).  Raises
+    ``LoongMeshError`` before creating any group when the sizes do not fit.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dp = _validate(hp, cp, placement, inner_ring, dp, world)
+    world_group = dist.group.WORLD if dist.is_initialized() else None
+    key = (hp, cp, placement, inner_ring, dp)
+    mesh = _CACHE.get(key)
+    if mesh is None or mesh._world is not world_group:
+        mesh = _build(hp, cp, placement, inner_ring, dp, world_group)
+        _CACHE[key] = mesh
+        log.debug("%s", mesh.describe())
+    return mesh
+
+
+def _validate(hp, cp, placement, inner_ring, dp, world) -> int:
+    """Check the sizes against the world; return dp."""
+    sizes = {"hp": hp, "cp": cp, "inner_ring": inner_ring, **({} if dp is None else {"dp": dp})}
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise LoongMeshError(f"{name}={value!r}", "mesh sizes are integers >= 1",
+                                 f"pass a positive integer for {name}")
+    if placement not in PLACEMENTS:
+        raise LoongMeshError(f"placement={placement!r}", f"placement is one of {PLACEMENTS}",
+                             "use 'head_first' (HP group on consecutive ranks) or 'context_first'")
+    if cp % inner_ring:
+        divisors = [w for w in range(1, cp + 1) if cp % w == 0]
+        raise LoongMeshError(f"inner_ring={inner_ring} with cp={cp}",
+                             "the inner ring size w must divide d_cp (d_cp/w inner rings)",
+                             f"use inner_ring in {divisors}")
+    sp = hp * cp
+    if not dist.is_initialized() and (sp > 1 or (dp or 1) > 1):
+        raise LoongMeshError(f"hp={hp}, cp={cp}, dp={dp} without torch.distributed",
+                             "a mesh of more than one rank needs an initialised process group",
+                             "call torch.distributed.init_process_group() first (e.g. under "
+                             "torchrun), or use hp=cp=1")
+    if world % sp:
+        fits = [(h, world // h) for h in range(1, world + 1) if world % h == 0]
+        raise LoongMeshError(f"world size {world} with hp*cp = {hp}*{cp} = {sp}",
+                             "the world size must be a multiple of hp*cp",
+                             f"choose hp*cp dividing {world}, e.g. (hp, cp) in {fits}")
+    if dp is not None and dp * sp != world:
+        raise LoongMeshError(f"dp={dp} with hp*cp = {sp} on world size {world}",
+                             "dp*hp*cp must equal the world size",
+                             f"pass dp={world // sp} or leave dp=None")
+    return world // sp
+
+
+def _build(hp, cp, placement, inner_ring, dp, world_group) -> LoongMesh:
+    layout = rank_layout(dp, cp, hp, placement)
+    if world_group is None:  # one process, nothing to communicate
+        trivial = {kind: [[0]] for kind in ("hp", "cp", "sp", *RING_GROUPS)}
+        return LoongMesh(dp, hp, cp, inner_ring, placement, 0, layout, None,
+                         {kind: "" for kind in trivial}, trivial, None)
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    backend = str(dist.get_backend())
+    device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
+    device_mesh = DeviceMesh(device_type, layout, mesh_dim_names=MESH_DIMS)
+    rank = dist.get_rank()
+    names = {"hp": device_mesh.get_group("hp").group_name,
+             "cp": device_mesh.get_group("cp").group_name}
+    ranks = {"hp": [layout[d, c, :].tolist() for d in range(dp) for c in range(cp)],
+             "cp": [layout[d, :, h].tolist() for d in range(dp) for h in range(hp)],
+             "sp": [sorted(layout[d].flatten().tolist()) for d in range(dp)]}
+    cp_lines = ranks["cp"]
+    for kind in RING_GROUPS:
+        ranks[kind] = [ring for line in cp_lines
+                       for ring in ring_rank_lists(line, inner_ring)[kind]]
+    for kind in ("sp", *RING_GROUPS):
+        names[kind] = _new_groups(ranks[kind], rank, f"loong_{kind}")
+    return LoongMesh(dp, hp, cp, inner_ring, placement, rank, layout, device_mesh, names, ranks,
+                     world_group)
+
+
+def _new_groups(rank_lists: list[list[int]], rank: int, desc: str) -> str:
+    """Create every group of one kind (all ranks call this); return the name of ``rank``'s.
+
+    Ranks are kept in the given (ring) order; groups of one rank are not created.
+    """
+    mine = ""
+    for ranks in rank_lists:
+        if len(ranks) == 1:
+            continue
+        group = dist.new_group(ranks, sort_ranks=False, group_desc=desc)
+        if rank in ranks:
+            mine = group.group_name
+            if dist.get_process_group_ranks(group) != ranks:
+                raise RuntimeError(f"{desc}: group ranks {dist.get_process_group_ranks(group)} "
+                                   f"lost the ring order {ranks}")
+    return mine

@@ -1,0 +1,121 @@
+"""2D-Attention (LoongTrain §4.1, Algorithm 1): head-parallel all-to-all × Double-Ring.
+
+``attention_2d(q, k, v, is_causal=..., scale=..., **mesh.attention_kwargs())``
+has the semantics of ``F.scaled_dot_product_attention`` on the full sequence,
+given this rank's tokens in the layout of ``loong_compile.data``:
+
+1. KV replication (§4.2): if ``hp > H_kv``, each KV head is repeated
+   ``hp / H_kv`` times (``repeat_interleave``, so its gradient is the sum of
+   the replicas'); otherwise KV travels with its ``H_kv`` heads.
+2. SeqAlltoAll over the HP group: ``(B, H, S/sp, D) -> (B, H/hp, S/cp, D)``.
+3. Double-Ring attention over the CP group -> ``(out, lse)``.
+4. SeqAlltoAll back: ``out`` to ``(B, H, S/sp, D)``.
+
+Everything is a traceable op (custom ops with fake kernels and autograd), so
+a model calling this stays one graph under ``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+from loong_compile.data import check_sequence_length
+from loong_compile.errors import LoongMeshError, LoongShapeError
+from loong_compile.ops.alltoall import seq_all_to_all
+from loong_compile.ops.ring import ring_attention_fwd
+
+
+def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: float | None = None,
+                 hp: int = 1, cp: int = 1, inner_ring: int = 1, hp_group: str = "",
+                 kv_inner_group: str = "", kv_outer_group: str = "", dkv_inner_group: str = "",
+                 dkv_outer_group: str = "", return_lse: bool = False):
+    """Distributed exact attention of this rank's tokens; ``(B, H, S/sp, D)`` like ``q``.
+
+    ``return_lse=True`` also returns the log-sum-exp per query row,
+    ``(B, H, S/sp)`` in float32 (float64 for float64 inputs), not differentiable.
+    Raises ``LoongShapeError`` / ``LoongMeshError`` before any collective; the
+    checks use only local shapes and mesh sizes, so every rank raises alike.
+    """
+    check_attention_inputs(q, k, v, hp=hp, cp=cp, inner_ring=inner_ring)
+    ring_groups = (kv_inner_group, kv_outer_group, dkv_inner_group, dkv_outer_group)
+    check_group_names(hp, cp, inner_ring, hp_group, ring_groups)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
+    kv_heads = k.size(1)
+    if hp > kv_heads:  # LoongTrain §4.2: one KV head per HP rank
+        k = k.repeat_interleave(hp // kv_heads, dim=1)
+        v = v.repeat_interleave(hp // kv_heads, dim=1)
+    if hp > 1:
+        q, k, v = seq_all_to_all([q, k, v], 1, 2, hp, hp_group)
+    out, lse = ring_attention_fwd(q, k, v, is_causal, scale, cp, inner_ring, *ring_groups)
+    if hp > 1:
+        (out,) = seq_all_to_all([out], 2, 1, hp, hp_group)
+        if return_lse:
+            (lse,) = seq_all_to_all([lse.unsqueeze(-1)], 2, 1, hp, hp_group)
+            lse = lse.squeeze(-1)
+    return (out, lse) if return_lse else out
+
+
+def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, hp: int, cp: int,
+                           inner_ring: int) -> None:
+    """Raise ``LoongShapeError`` unless q, k, v fit 2D-Attention on an ``hp × cp`` grid."""
+    tensors = {"q": q, "k": k, "v": v}
+    for name, t in tensors.items():
+        if t.dim() != 4:
+            raise LoongShapeError(f"{name} of shape {tuple(t.shape)}",
+                                  "q, k, v are (batch, heads, local sequence, head dim) as "
+                                  "in SDPA",
+                                  "transpose to (B, H, S, D) before attention")
+        if not t.is_floating_point():
+            raise LoongShapeError(f"{name}.dtype={t.dtype}", "q, k, v are floating point",
+                                  "cast q, k and v to one float dtype")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise LoongShapeError(f"dtypes q={q.dtype}, k={k.dtype}, v={v.dtype}",
+                              "q, k and v have one dtype", f"cast k and v to {q.dtype}")
+    if not (q.device == k.device == v.device):
+        raise LoongShapeError(f"devices q={q.device}, k={k.device}, v={v.device}",
+                              "q, k and v live on one device", f"move k and v to {q.device}")
+    batch, heads, seq, head_dim = q.shape
+    kv_shape = (batch, k.size(1), seq, head_dim)
+    if tuple(k.shape) != kv_shape or tuple(v.shape) != kv_shape:
+        raise LoongShapeError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}",
+                              "k and v are (B, H_kv, S, D) with q's batch, local sequence "
+                              "length and head dim", "pass k and v of equal shapes matching q")
+    kv_heads = k.size(1)
+    if heads % kv_heads:
+        raise LoongShapeError(f"{heads} query heads with {kv_heads} KV heads",
+                              "the query heads are a multiple of the KV heads (GQA groups)",
+                              "use a KV head count that divides the query heads")
+    if heads % hp:
+        raise LoongShapeError(f"{heads} query heads with hp={hp}",
+                              "head parallelism splits the query heads evenly: H % hp == 0",
+                              f"choose hp dividing {heads}")
+    if kv_heads % hp and hp % kv_heads:
+        raise LoongShapeError(f"{kv_heads} KV heads with hp={hp}",
+                              "either H_kv % hp == 0 (KV heads split) or hp % H_kv == 0 "
+                              "(each KV head replicated hp/H_kv times, LoongTrain §4.2)",
+                              f"choose hp dividing {kv_heads} or a multiple of it")
+    if cp % inner_ring:
+        raise LoongMeshError(f"inner_ring={inner_ring} with cp={cp}",
+                             "the inner ring size w must divide d_cp",
+                             "build the arguments with "
+                             "loong_compile.init_mesh(...).attention_kwargs()")
+    check_sequence_length(seq * hp * cp, cp, hp)
+
+
+def check_group_names(hp: int, cp: int, inner_ring: int, hp_group: str,
+                      ring_groups: tuple[str, ...]) -> None:
+    """Every group the ops will talk on must be named (a mesh built for other sizes is not)."""
+    outer = cp // inner_ring
+    needed = {"hp_group": (hp_group, hp > 1), "kv_inner_group": (ring_groups[0], inner_ring > 1),
+              "kv_outer_group": (ring_groups[1], outer > 1),
+              "dkv_inner_group": (ring_groups[2], inner_ring > 1),
+              "dkv_outer_group": (ring_groups[3], cp > 1)}
+    missing = [name for name, (value, used) in needed.items() if used and not value]
+    if missing:
+        raise LoongMeshError(f"no process group for {missing} with hp={hp}, cp={cp}, "
+                             f"inner_ring={inner_ring}",
+                             "every group a 2D-Attention of these sizes talks on is named",
+                             "pass **loong_compile.init_mesh(hp=..., cp=..., inner_ring=...)"
+                             ".attention_kwargs()")

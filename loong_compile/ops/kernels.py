@@ -1,0 +1,162 @@
+"""Local attention kernels behind one adapter, in SDPA layout ``(B, H, S, D)``.
+
+``attention_forward(q, k, v)`` returns ``(out, lse)`` and
+``attention_backward(dout, q, k, v, out, lse)`` returns ``(dq, dk, dv)``, where
+``lse`` is the kernel's own log-sum-exp of the scaled scores per query row,
+``(B, H, S_q)``, float32 (float64 for float64 inputs).  K/V may have fewer
+heads than Q (GQA, query head ``i`` uses KV head ``i // (H / H_kv)``, as
+``repeat_interleave``).  ``is_causal`` is only used for square blocks (the
+diagonal blocks of the ring), where top-left and bottom-right alignment agree.
+
+Kernels, chosen per call:
+
+* CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward
+  (all float dtypes, GQA native).
+* CUDA, fp16/bf16: flash-attn >= 2.7 when installed (the ``cuda`` extra), else
+  ``aten._scaled_dot_product_flash_attention`` (KV expanded locally for GQA).
+* anything else (CUDA float32/float64): an exact matmul implementation that
+  materialises the ``S_q × S_k`` scores of one block.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import Tensor
+
+from loong_compile._compat import (
+    sdpa_flash_cpu,
+    sdpa_flash_cpu_backward,
+    sdpa_flash_cuda,
+    sdpa_flash_cuda_backward,
+)
+
+FLASH_ATTN_MIN_VERSION = "2.7"
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of LSE and of every accumulator: float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool,
+                      scale: float) -> tuple[Tensor, Tensor]:
+    return _kernel(q)[0](q, k, v, is_causal, scale)
+
+
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
+                       is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _kernel(q)[1](dout, q, k, v, out, lse, is_causal, scale)
+
+
+def kernel_name(q: Tensor) -> str:
+    """Which kernel the adapter uses for tensors like ``q`` (for logs and reports)."""
+    return _kernel(q)[2]
+
+
+def _kernel(q: Tensor):
+    if q.device.type == "cpu":
+        return sdpa_flash_cpu, sdpa_flash_cpu_backward, "aten_flash_cpu"
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        if _flash_attn_usable():
+            return _flash_attn_forward, _flash_attn_backward, "flash_attn"
+        return _cuda_forward, _cuda_backward, "aten_flash_cuda"
+    return _math_forward, _math_backward, "math"
+
+
+# --- GQA for kernels that want as many KV heads as Q heads -------------------
+
+def _expand_kv(q: Tensor, kv: Tensor) -> Tensor:
+    return kv.repeat_interleave(q.size(1) // kv.size(1), dim=1)
+
+
+def _sum_kv_grad(grad: Tensor, kv_heads: int) -> Tensor:
+    return grad.unflatten(1, (kv_heads, -1)).sum(2)
+
+
+# --- CUDA: PyTorch's flash kernel ---------------------------------------------
+
+def _cuda_forward(q, k, v, is_causal, scale):
+    return sdpa_flash_cuda(q, _expand_kv(q, k), _expand_kv(q, v), is_causal, scale)
+
+
+def _cuda_backward(dout, q, k, v, out, lse, is_causal, scale):
+    dq, dk, dv = sdpa_flash_cuda_backward(dout, q, _expand_kv(q, k), _expand_kv(q, v), out, lse,
+                                          is_causal, scale)
+    return dq, _sum_kv_grad(dk, k.size(1)), _sum_kv_grad(dv, v.size(1))
+
+
+# --- CUDA: flash-attn ---------------------------------------------------------
+
+@functools.cache
+def _flash_attn_usable() -> bool:
+    try:
+        import flash_attn
+    except ImportError:
+        return False
+    from packaging.version import Version
+
+    return Version(flash_attn.__version__) >= Version(FLASH_ATTN_MIN_VERSION)
+
+
+def _to_flash_layout(x: Tensor) -> Tensor:
+    """(B, H, S, D) -> (B, S, H, D), head dim padded to a multiple of 8 as flash-attn requires."""
+    x = x.transpose(1, 2)
+    pad = -x.size(-1) % 8
+    return torch.nn.functional.pad(x, (0, pad)).contiguous() if pad else x.contiguous()
+
+
+def _from_flash_layout(x: Tensor, head_dim: int) -> Tensor:
+    return x[..., :head_dim].transpose(1, 2)
+
+
+def _flash_attn_forward(q, k, v, is_causal, scale):
+    out, lse, _, _ = torch.ops.flashattn._flash_attn_forward(
+        _to_flash_layout(q), _to_flash_layout(k), _to_flash_layout(v), 0.0, scale, is_causal,
+        -1, -1, 0.0, None, False)
+    return _from_flash_layout(out, q.size(-1)), lse
+
+
+def _flash_attn_backward(dout, q, k, v, out, lse, is_causal, scale):
+    qf, kf, vf = _to_flash_layout(q), _to_flash_layout(k), _to_flash_layout(v)
+    dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
+    torch.ops.flashattn._flash_attn_backward(
+        _to_flash_layout(dout), qf, kf, vf, _to_flash_layout(out), lse, dq, dk, dv, 0.0, scale,
+        is_causal, -1, -1, 0.0, None, False, None)
+    return tuple(_from_flash_layout(g, q.size(-1)) for g in (dq, dk, dv))
+
+
+# --- exact fallback -----------------------------------------------------------
+
+def _math_probabilities(q, k, lse, is_causal, scale):
+    """Scaled scores (accumulation dtype, KV expanded) and, given ``lse``, the probabilities."""
+    acc = accumulation_dtype(q.dtype)
+    scores = q.to(acc) @ _expand_kv(q, k).to(acc).transpose(-1, -2) * scale
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, -math.inf)
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)), lse
+
+
+def _math_forward(q, k, v, is_causal, scale):
+    probs, lse = _math_probabilities(q, k, None, is_causal, scale)
+    out = probs @ _expand_kv(q, v).to(probs.dtype)
+    return out.to(q.dtype), lse
+
+
+def _math_backward(dout, q, k, v, out, lse, is_causal, scale):
+    probs, _ = _math_probabilities(q, k, lse, is_causal, scale)
+    acc = probs.dtype
+    dout_acc = dout.to(acc)
+    dv = probs.transpose(-1, -2) @ dout_acc
+    dprobs = dout_acc @ _expand_kv(q, v).to(acc).transpose(-1, -2)
+    delta = (dout_acc * out.to(acc)).sum(-1, keepdim=True)
+    dscores = probs * (dprobs - delta) * scale
+    dq = dscores @ _expand_kv(q, k).to(acc)
+    dk = dscores.transpose(-1, -2) @ q.to(acc)
+    return (dq.to(q.dtype), _sum_kv_grad(dk, k.size(1)).to(k.dtype),
+            _sum_kv_grad(dv, v.size(1)).to(v.dtype))

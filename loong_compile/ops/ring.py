@@ -1,0 +1,204 @@
+"""Double-Ring attention over one CP group (LoongTrain §4.3, Algorithm 2), forward and backward.
+
+Inputs are in CP layout: ``(B, H', S/cp, D)``, the rows of this CP rank's
+zigzag shard (chunks ``r`` and ``2·cp-1-r``, see loong_compile/data.py).
+
+The CP group of ``cp`` ranks is cut into ``n = cp / w`` inner rings of ``w``;
+CP rank ``r = i·w + j`` is position ``j`` of inner ring ``i``.  Forward, at
+outer step ``o`` every rank first sends the KV block it starts with to the
+next outer ring (``(i+1, j)``, overlapping the whole inner round), then runs
+``w`` micro-steps, each computing one block while the next KV block arrives
+from the inner ring.  So at outer step ``o``, micro-step ``s`` rank
+``(i, j)`` holds the KV of CP rank ``(i-o, j-s)``; every rank sends ``cp-1``
+KV blocks in all.
+
+Backward re-runs the same KV schedule and sends, every micro-step, the dK/dV
+accumulated so far for the block it holds to the rank that holds that block
+next: ``(i, j+1)`` inside the inner ring, and ``(i+1, j+1)`` after the last
+micro-step, which is the first holder at the next outer step or, after the
+last, the block's owner.  That is ``cp`` dK/dV blocks sent per rank.
+
+Causal masks with the zigzag layout (``c`` = half a shard): the own block is
+causal; a block of a lower CP rank is seen completely by all rows but only
+its first half (its second chunk lies after both of ours); a block of a
+higher CP rank is seen completely but only by our second half.  Every rank
+thus computes the same amount, and no row is ever fully masked.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from loong_compile.ops.comm import Exchange, group
+from loong_compile.ops.kernels import accumulation_dtype, attention_backward, attention_forward
+
+ALL = slice(None)
+
+
+def merge_partial(out: Tensor, lse: Tensor, block_out: Tensor,
+                  block_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine two softmax-normalised partial results over disjoint key sets.
+
+    ``lse = max + log1p(exp(min - max))`` never forms ``log(1 + exp(d))`` of a
+    large ``d``; rows where both sides are empty (``-inf``) stay ``-inf`` with
+    a zero output instead of NaN.  Works in the dtype of ``out``/``lse``.
+    """
+    block_lse = block_lse.to(lse.dtype)
+    high, low = torch.maximum(lse, block_lse), torch.minimum(lse, block_lse)
+    high_finite = torch.where(torch.isinf(high), torch.zeros_like(high), high)
+    new_lse = high + torch.log1p(torch.exp(low - high_finite))
+    new_finite = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+    weight_old = torch.exp(lse - new_finite).unsqueeze(-1)
+    weight_new = torch.exp(block_lse - new_finite).unsqueeze(-1)
+    return out * weight_old + block_out.to(out.dtype) * weight_new, new_lse
+
+
+def ring_schedule(cp_rank: int, cp: int, inner_ring: int) -> list[tuple[int, int, int]]:
+    """``(outer step, micro-step, CP rank whose KV block is held)`` in schedule order."""
+    w, n_outer = inner_ring, cp // inner_ring
+    i, j = divmod(cp_rank, w)
+    return [(o, s, ((i - o) % n_outer) * w + (j - s) % w) for o in range(n_outer) for s in range(w)]
+
+
+class DoubleRing:
+    """This rank's place in the Double-Ring and its four ring groups (names from LoongMesh)."""
+
+    def __init__(self, cp: int, inner_ring: int, kv_inner: str, kv_outer: str, dkv_inner: str,
+                 dkv_outer: str):
+        self.cp, self.w, self.n_outer = cp, inner_ring, cp // inner_ring
+        self.kv_inner, self.kv_outer = kv_inner, kv_outer
+        self.dkv_inner, self.dkv_outer = dkv_inner, dkv_outer
+        # dkv_outer spans the CP group in CP-rank order, so its rank is the CP rank
+        self.rank = group(dkv_outer).rank() if cp > 1 else 0
+        self.i, self.j = divmod(self.rank, self.w)
+
+    def send_kv(self, kv: Tensor, *, outer: bool) -> Exchange:
+        size, pos = (self.n_outer, self.i) if outer else (self.w, self.j)
+        name = self.kv_outer if outer else self.kv_inner
+        return Exchange(kv, name, (pos + 1) % size, (pos - 1) % size)
+
+    def send_dkv(self, dkv: Tensor, *, last_micro_step: bool) -> Exchange:
+        if not last_micro_step:
+            return Exchange(dkv, self.dkv_inner, (self.j + 1) % self.w, (self.j - 1) % self.w)
+        n, w = self.n_outer, self.w
+        next_rank = ((self.i + 1) % n) * w + (self.j + 1) % w
+        prev_rank = ((self.i - 1) % n) * w + (self.j - 1) % w
+        return Exchange(dkv, self.dkv_outer, next_rank, prev_rank)
+
+    def kv_schedule(self, kv: Tensor):
+        """Yield ``(o, s, owner, kv block)`` while prefetching the next block (Algorithm 2)."""
+        outer = inner = None
+        for o, s, owner in ring_schedule(self.rank, self.cp, self.w):
+            if s == 0 and o < self.n_outer - 1:
+                outer = self.send_kv(kv, outer=True)
+            if s < self.w - 1:
+                inner = self.send_kv(kv, outer=False)
+            yield o, s, owner, kv
+            if s < self.w - 1:
+                kv = inner.wait()
+            elif o < self.n_outer - 1:
+                kv = outer.wait()
+
+
+def block_plan(is_causal: bool, rank: int, owner: int, half: int) -> tuple[slice, slice, bool]:
+    """Query rows, key columns and causality of the block (rank's queries, owner's keys)."""
+    if not is_causal:
+        return ALL, ALL, False
+    if owner == rank:
+        return ALL, ALL, True
+    if owner < rank:
+        return ALL, slice(0, half), False
+    return slice(half, None), ALL, False
+
+
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
+                 ring: DoubleRing) -> tuple[Tensor, Tensor]:
+    acc = accumulation_dtype(q.dtype)
+    half = q.size(2) // 2
+    out = lse = None
+    for _, _, owner, kv in ring.kv_schedule(torch.stack([k, v])):
+        rows, cols, causal = block_plan(is_causal, ring.rank, owner, half)
+        block_out, block_lse = attention_forward(
+            q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], is_causal=causal, scale=scale)
+        if out is None:  # the first block is the own one: every row
+            out, lse = block_out.to(acc), block_lse.to(acc)
+        else:
+            out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows],
+                                                             block_out, block_lse)
+    return out.to(q.dtype).contiguous(), lse.contiguous()
+
+
+def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  is_causal: bool, scale: float, ring: DoubleRing) -> tuple[Tensor, Tensor, Tensor]:
+    acc = accumulation_dtype(q.dtype)
+    half = q.size(2) // 2
+    dq = torch.zeros_like(q, dtype=acc)
+    incoming = None  # dK/dV of the held block, accumulated by its earlier holders
+    for _, s, owner, kv in ring.kv_schedule(torch.stack([k, v])):
+        rows, cols, causal = block_plan(is_causal, ring.rank, owner, half)
+        dq_block, dk_block, dv_block = attention_backward(
+            dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+            out[:, :, rows], lse[:, :, rows], is_causal=causal, scale=scale)
+        dq[:, :, rows] += dq_block
+        dkv = torch.zeros_like(kv, dtype=acc) if incoming is None else incoming.wait()
+        dkv[0][:, :, cols] += dk_block
+        dkv[1][:, :, cols] += dv_block
+        if ring.cp > 1:
+            incoming = ring.send_dkv(dkv, last_micro_step=s == ring.w - 1)
+    if incoming is not None:  # the own block's gradient, back from its last holder
+        dkv = incoming.wait()
+    # contiguous like the fake kernels, and dk/dv copied out: views of one buffer may not be returned
+    return (dq.to(q.dtype).contiguous(), dkv[0].to(k.dtype, memory_format=torch.contiguous_format, copy=True),
+            dkv[1].to(v.dtype, memory_format=torch.contiguous_format, copy=True))
+
+
+# --- custom ops ----------------------------------------------------------------
+
+@torch.library.custom_op("loong::ring_attention_fwd", mutates_args=())
+def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, cp: int,
+                       inner_ring: int, kv_inner_group: str, kv_outer_group: str,
+                       dkv_inner_group: str, dkv_outer_group: str) -> tuple[Tensor, Tensor]:
+    """Double-Ring attention forward: ``(out, lse)`` of this rank's query rows (CP layout)."""
+    ring = DoubleRing(cp, inner_ring, kv_inner_group, kv_outer_group, dkv_inner_group,
+                      dkv_outer_group)
+    return ring_forward(q, k, v, is_causal, scale, ring)
+
+
+# Outputs are contiguous whatever the inputs' strides: fake and real must agree, or a view
+# that AOTAutograd planned on the fake strides fails at run time.
+@ring_attention_fwd.register_fake
+def _(q, k, v, is_causal, scale, cp, inner_ring, *group_names):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
+
+
+@torch.library.custom_op("loong::ring_attention_bwd", mutates_args=())
+def ring_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       is_causal: bool, scale: float, cp: int, inner_ring: int,
+                       kv_inner_group: str, kv_outer_group: str, dkv_inner_group: str,
+                       dkv_outer_group: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Double-Ring attention backward: ``(dq, dk, dv)``, dK/dV returned to their owners."""
+    ring = DoubleRing(cp, inner_ring, kv_inner_group, kv_outer_group, dkv_inner_group,
+                      dkv_outer_group)
+    return ring_backward(dout, q, k, v, out, lse, is_causal, scale, ring)
+
+
+@ring_attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *ctx.config = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_attention_bwd(grad_out.contiguous(), q, k, v, out, lse, *ctx.config)
+    return dq, dk, dv, *([None] * len(ctx.config))
+
+
+ring_attention_fwd.register_autograd(_backward, setup_context=_setup_context)

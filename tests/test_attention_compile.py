@@ -1,0 +1,185 @@
+"""The 2D-Attention ops are traceable: opcheck, make_fx, torch.compile(fullgraph=True).
+
+One spawn of 4 gloo ranks runs every section; the tests read its results.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter
+
+import pytest
+import torch
+
+from loong_compile.data import mesh_token_indices
+from loong_compile.mesh import init_mesh
+from loong_compile.ops import attention_2d
+from loong_compile.testing import run_distributed
+
+MESHES = [dict(hp=2, cp=2, inner_ring=2, placement="context_first"),  # MHA, both collectives
+          dict(hp=4, cp=1), dict(hp=1, cp=4, inner_ring=2)]
+
+
+def _inputs(mesh, heads, kv_heads, seq, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(7)
+    index = mesh_token_indices(seq, mesh)
+    q, dout = (torch.randn(2, heads, seq, 16, generator=gen, dtype=dtype)[:, :, index]
+               for _ in range(2))
+    k, v = (torch.randn(2, kv_heads, seq, 16, generator=gen, dtype=dtype)[:, :, index]
+            for _ in range(2))
+    return q, k, v, dout
+
+
+def _op_counts(graph) -> Counter:
+    return Counter(n.target.name() for n in graph.nodes
+                   if n.op == "call_function" and getattr(n.target, "namespace", None) == "loong")
+
+
+def _opcheck(mesh):
+    """torch.library.opcheck on each custom op with this mesh's groups (runs them for real)."""
+    kw = mesh.attention_kwargs()
+    q, k, v, dout = _inputs(mesh, 4, 4, 16)
+    q2, k2, v2 = (t.clone().requires_grad_() for t in (q, k, v))
+    ring_groups = [kw[f"{kind}_group"]
+                   for kind in ("kv_inner", "kv_outer", "dkv_inner", "dkv_outer")]
+    ring_args = (True, 0.25, mesh.cp, mesh.inner_ring, *ring_groups)
+    results = {}
+    if mesh.hp > 1:
+        results["seq_all_to_all"] = torch.library.opcheck(
+            torch.ops.loong.seq_all_to_all, ([q2, k2, v2], 1, 2, mesh.hp, kw["hp_group"]))
+    else:
+        out, lse = torch.ops.loong.ring_attention_fwd(q, k, v, *ring_args)
+        results["ring_attention_fwd"] = torch.library.opcheck(
+            torch.ops.loong.ring_attention_fwd, (q2, k2, v2, *ring_args))
+        results["ring_attention_bwd"] = torch.library.opcheck(
+            torch.ops.loong.ring_attention_bwd, (dout, q, k, v, out, lse, *ring_args))
+    return {name: {test: str(outcome) for test, outcome in r.items()}
+            for name, r in results.items()}
+
+
+def _compiled_vs_eager(mesh, backend, heads, kv_heads):
+    """Forward and grads of attention_2d under torch.compile(fullgraph=True) vs eager."""
+    kwargs = mesh.attention_kwargs()
+    q, k, v, dout = _inputs(mesh, heads, kv_heads, 8 * mesh.sp)
+    graphs = []
+
+    def recording(gm, example_inputs):  # Dynamo's graph, then run as is
+        graphs.append(_op_counts(gm.graph))
+        return gm.forward
+
+    def attention(q, k, v):
+        return attention_2d(q, k, v, is_causal=True, scale=None, **kwargs)
+
+    results = []
+    for fn in (attention, torch.compile(attention, backend=recording if backend == "dynamo"
+                                        else backend, fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        results.append((out.detach(), *torch.autograd.grad(out, leaves, dout)))
+    errors = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*results)]
+    zero_grads = [bool((g == 0).all()) for g in results[1][1:]]
+    return {"errors": errors, "zero_grads": zero_grads, "dynamo_ops": graphs}
+
+
+def _joint_graph_counts(mesh):
+    """make_fx of forward + backward: each op appears exactly as often as expected."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    kwargs = mesh.attention_kwargs()
+
+    def joint(q, k, v, dout):
+        out = attention_2d(q, k, v, is_causal=True, scale=None, **kwargs)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    q, k, v, dout = _inputs(mesh, 4, 2, 8 * mesh.sp)
+    graph = make_fx(joint, tracing_mode="fake")(*(t.requires_grad_() for t in (q, k, v)), dout)
+    return _op_counts(graph.graph)
+
+
+def _suite(rank, world):
+    out = {}
+
+    def section(name, fn, *args):
+        try:
+            out[name] = fn(*args)
+        except Exception:  # noqa: BLE001 - the test reports it
+            out[name] = ("failed", traceback.format_exc())
+
+    for spec in MESHES:
+        mesh = init_mesh(**spec)
+        tag = f"hp{mesh.hp}cp{mesh.cp}"
+        section(f"opcheck {tag}", _opcheck, mesh)
+        section(f"make_fx {tag}", _joint_graph_counts, mesh)
+        section(f"dynamo {tag}", _compiled_vs_eager, mesh, "dynamo", 4, 2)
+        section(f"aot_eager {tag}", _compiled_vs_eager, mesh, "aot_eager", 4, 1)
+    section("inductor", _compiled_vs_eager, init_mesh(**MESHES[0]), "inductor", 4, 2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_distributed(_suite, 4, timeout=400)
+
+
+def _section(results, name):
+    for rank, result in enumerate(results):
+        value = result[name]
+        assert not (isinstance(value, tuple) and value[0] == "failed"), f"rank {rank}: {value[1]}"
+    return [result[name] for result in results]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tag", ["hp2cp2", "hp4cp1", "hp1cp4"])
+def test_opcheck_passes(four_ranks, tag):
+    for per_op in _section(four_ranks, f"opcheck {tag}"):
+        assert per_op
+        for op, tests in per_op.items():
+            assert all(outcome == "SUCCESS" for outcome in tests.values()), (op, tests)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tag", ["hp2cp2", "hp4cp1", "hp1cp4"])
+def test_joint_graph_has_each_op_once(four_ranks, tag):
+    hp = int(tag[2])
+    a2a = 4 if hp > 1 else 0  # q/k/v and out forward; their gradients backward
+    for counts in _section(four_ranks, f"make_fx {tag}"):
+        assert counts == Counter({"loong::ring_attention_fwd": 1, "loong::ring_attention_bwd": 1,
+                                  **({"loong::seq_all_to_all": a2a} if a2a else {})})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["dynamo", "aot_eager"])
+@pytest.mark.parametrize("tag", ["hp2cp2", "hp4cp1", "hp1cp4"])
+def test_fullgraph_compile_matches_eager(four_ranks, backend, tag):
+    for result in _section(four_ranks, f"{backend} {tag}"):
+        assert max(result["errors"]) <= 1e-12, result["errors"]
+        assert not any(result["zero_grads"])
+        if backend == "dynamo":  # one graph, the forward ops of one attention call
+            hp = int(tag[2])
+            assert len(result["dynamo_ops"]) == 1
+            a2a = {"loong::seq_all_to_all": 2} if hp > 1 else {}
+            assert result["dynamo_ops"][0] == Counter({"loong::ring_attention_fwd": 1, **a2a})
+
+
+@pytest.mark.slow
+def test_inductor_compile_matches_eager(four_ranks):
+    for result in _section(four_ranks, "inductor"):
+        assert max(result["errors"]) <= 1e-12, result["errors"]
+        assert not any(result["zero_grads"])
+
+
+def test_opcheck_with_transposed_inputs_one_process():
+    """Models hand attention (B, S, H, D)-major views; the fake kernels must predict the real
+    outputs' strides for them too, or AOTAutograd plans views that fail at run time."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 8, heads, 16, generator=gen, dtype=torch.float64).transpose(1, 2)
+               for heads in (4, 2, 2))
+    args = (True, 0.25, 1, 1, "", "", "", "")
+    fwd = torch.library.opcheck(torch.ops.loong.ring_attention_fwd,
+                                (q.clone().requires_grad_(), k.clone().requires_grad_(),
+                                 v.clone().requires_grad_(), *args))
+    out, lse = torch.ops.loong.ring_attention_fwd(q, k, v, *args)
+    dout = torch.randn(2, 8, 4, 16, generator=gen, dtype=torch.float64).transpose(1, 2)
+    bwd = torch.library.opcheck(torch.ops.loong.ring_attention_bwd, (dout, q, k, v, out, lse, *args))
+    for result in (fwd, bwd):
+        assert set(result.values()) == {"SUCCESS"}, result

@@ -1,0 +1,87 @@
+"""The token layout: zigzag CP shards split over HP ranks, shifted labels, its checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loong_compile.data import (
+    IGNORE_INDEX,
+    check_sequence_length,
+    gather_sequence,
+    local_token_indices,
+    sequence_divisor,
+    shard_batch,
+)
+from loong_compile.errors import LoongShapeError
+from loong_compile.mesh import init_mesh
+
+sizes = st.sampled_from([1, 2, 3, 4, 8])
+
+
+@settings(max_examples=60, deadline=None)
+@given(cp=sizes, hp=sizes, multiple=st.integers(1, 5))
+def test_ranks_partition_the_sequence(cp, hp, multiple):
+    seq = multiple * sequence_divisor(cp, hp)
+    held = [local_token_indices(seq, cp, hp, c, h) for c in range(cp) for h in range(hp)]
+    assert all(len(t) == seq // (cp * hp) for t in held)
+    assert torch.equal(torch.cat(held).sort().values, torch.arange(seq))
+
+
+@settings(max_examples=40, deadline=None)
+@given(cp=sizes, hp=sizes, multiple=st.integers(1, 5))
+def test_hp_group_concatenation_is_the_zigzag_cp_shard(cp, hp, multiple):
+    """What the all-to-all gathers (HP pieces in HP order) is chunks c and 2cp-1-c, in order."""
+    seq = multiple * sequence_divisor(cp, hp)
+    chunk = seq // (2 * cp)
+    for c in range(cp):
+        shard = torch.cat([local_token_indices(seq, cp, hp, c, h) for h in range(hp)])
+        if cp == 1:
+            assert torch.equal(shard, torch.arange(seq))
+        else:
+            want = torch.cat([torch.arange(c * chunk, (c + 1) * chunk),
+                              torch.arange((2 * cp - 1 - c) * chunk, (2 * cp - c) * chunk)])
+            assert torch.equal(shard, want)
+
+
+def test_zigzag_balances_causal_work():
+    """Each CP shard's causal attention covers the same number of (query, key) pairs."""
+    cp, seq = 4, 64
+    work = [int((local_token_indices(seq, cp, 1, c, 0) + 1).sum()) for c in range(cp)]
+    assert len(set(work)) == 1
+
+
+def test_layout_picture_of_the_docstring():
+    assert [local_token_indices(16, 2, 2, c, h).tolist() for c in range(2) for h in range(2)] == [
+        [0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_sequence_length_must_divide():
+    check_sequence_length(24, 2, 3)
+    with pytest.raises(LoongShapeError, match="multiple of 2\\*cp\\*hp = 12"):
+        check_sequence_length(18, 2, 3)
+    with pytest.raises(LoongShapeError, match="fix: .* 24"):
+        check_sequence_length(20, 2, 3)
+    check_sequence_length(9, 1, 3)  # cp = 1: no zigzag, hp pieces only
+
+
+def test_shard_batch_on_one_process_shifts_labels_globally():
+    mesh = init_mesh()
+    ids = torch.arange(20).reshape(2, 10)
+    batch = shard_batch(ids, ids.clone(), mesh)
+    assert torch.equal(batch.input_ids, ids)
+    assert torch.equal(batch.position_ids, torch.arange(10).expand(2, 10))
+    assert torch.equal(batch.labels[:, :-1], ids[:, 1:])
+    assert (batch.labels[:, -1] == IGNORE_INDEX).all()
+    assert torch.equal(gather_sequence(batch.input_ids, mesh), ids)
+    assert shard_batch(ids, None, mesh).labels is None
+
+
+def test_shard_batch_checks_shapes():
+    mesh = init_mesh()
+    with pytest.raises(LoongShapeError, match="2-D"):
+        shard_batch(torch.zeros(8, dtype=torch.long), None, mesh)
+    with pytest.raises(LoongShapeError, match="same shape"):
+        shard_batch(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long), mesh)
