@@ -8,8 +8,8 @@ examples need no download.
 from __future__ import annotations
 
 import argparse
-import math
 import os
+import sys
 import sysconfig
 import time
 from collections.abc import Callable
@@ -104,7 +104,10 @@ def train(model: torch.nn.Module, forward: Callable, args: argparse.Namespace) -
     rank = dist.get_rank() if dist.is_initialized() else 0
     dev = device()
     model.to(dev)
-    compiled = torch.compile(model, backend="loong", options=options, fullgraph=True)
+    if args.fsdp:
+        compiled = shard_with_fsdp2(model, options, mesh)
+    else:
+        compiled = torch.compile(model, backend="loong", options=options, fullgraph=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     text = stdlib_text(args.text_bytes)
     data = batches(text, args.batch * mesh.dp, args.seq, args.seed)
@@ -116,8 +119,11 @@ def train(model: torch.nn.Module, forward: Callable, args: argparse.Namespace) -
         start = time.perf_counter()
         logits = forward(compiled, sharded.input_ids.to(dev), sharded.position_ids.to(dev))
         loss = token_loss(logits, sharded.labels.to(dev), global_tokens=args.batch * (args.seq - 1))
-        loss.backward()
-        all_reduce_gradients(model, mesh)
+        if args.fsdp:  # FSDP2 averages over all dp*sp ranks; the sp ranks of a sequence must sum
+            (loss * mesh.sp).backward()
+        else:
+            loss.backward()
+            all_reduce_gradients(model, mesh)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         reported = loss.detach().clone()
@@ -133,24 +139,49 @@ def train(model: torch.nn.Module, forward: Callable, args: argparse.Namespace) -
     return losses
 
 
+def shard_with_fsdp2(model: torch.nn.Module, options: dict, mesh) -> torch.nn.Module:
+    """LoongTrain's hybrid ZeRO: parameters, gradients and optimizer states sharded over all
+    dp x cp x hp ranks with FSDP2, each transformer block compiled with backend="loong".
+
+    Blocks are compiled one by one (as torchtitan does) so FSDP2's all-gather and
+    reduce-scatter hooks run between compiled graphs; the embedding and the head run eagerly.
+    FSDP2 averages gradients over all ranks; the training loop scales the loss by sp so that
+    they are summed over the ranks of a sequence and averaged over data-parallel replicas, as
+    ``all_reduce_gradients`` does without FSDP (gloo has no pre-multiplied reduce-scatter).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = init_device_mesh(device().type, (dist.get_world_size(),), mesh_dim_names=("dp_cp_hp",))
+    blocks = next(m for name, m in model.named_modules() if name.split(".")[-1] == "layers")
+    for block in blocks:
+        block.compile(backend="loong", options=options, fullgraph=True)
+        fully_shard(block, mesh=world)
+    fully_shard(model, mesh=world)
+    return model
+
+
 class _Progress:
-    """A one-line progress bar on rank 0 (rich when it can draw, plain lines otherwise)."""
+    """Rank 0's progress: one redrawn line on a terminal, a line every tenth of the run otherwise."""
 
     def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.first_loss = total, enabled, math.nan
+        self.total, self.enabled = total, enabled
+        self.redraw = enabled and sys.stdout.isatty()
+        self.every = max(1, total // 10)
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
         if not self.enabled:
             return
-        if step == 0:
-            self.first_loss = loss
         done = int(30 * (step + 1) / self.total)
-        note = " (includes compile)" if step == 0 else ""
-        print(f"\r[{'#' * done}{'.' * (30 - done)}] step {step + 1}/{self.total}  loss {loss:.4f}  "
-              f"{tokens_per_s:,.0f} tok/s{note}", end="\n" if step == 0 else "", flush=True)
+        line = (f"[{'#' * done}{'.' * (30 - done)}] step {step + 1}/{self.total}  loss {loss:.4f}  "
+                f"{tokens_per_s:,.0f} tok/s" + (" (includes compile)" if step == 0 else ""))
+        if self.redraw and step > 0:
+            print("\r" + line, end="", flush=True)
+        elif step == 0 or (step + 1) % self.every == 0 or step + 1 == self.total:
+            print(line, flush=True)
 
     def close(self) -> None:
-        if self.enabled:
+        if self.redraw:
             print()
 
 
@@ -179,5 +210,7 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--text-bytes", type=int, default=4_000_000)
     parser.add_argument("--plot", default=None, help="write the loss curve to this PNG")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard parameters, gradients and optimizer states over all ranks (FSDP2)")
     add_config_flags(parser)
     return parser

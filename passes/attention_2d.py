@@ -115,11 +115,12 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext, is_fl
     with graph.inserting_before(node):
         new = graph.call_function(attention_2d, (q, k, v), kwargs)
     _copy_meta(node, new)
+    new.meta["example_value"] = _fake_attention(q, k, v, kwargs)
     result = new
     if is_flash:
         result = _insert_before(graph, node, torch.transpose, (new, 1, 2))
         _copy_meta(node, result)
-        new.meta["example_value"] = _transposed(node.meta.get("example_value"))
+        result.meta["example_value"] = _transposed(new.meta["example_value"])
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     return {
@@ -130,6 +131,17 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext, is_fl
         "hp": ctx.config.hp, "cp": ctx.config.cp, "inner_ring": ctx.config.inner_ring,
         "placement": ctx.config.placement,
     }
+
+
+def _fake_attention(q, k, v, kwargs: dict) -> Any:
+    """The new node's fake output, from attention_2d's own fake kernels (exact shape and strides).
+
+    Also runs attention_2d's input checks at compile time, on every rank alike."""
+    values = [_example(n) for n in (q, k, v)]
+    if not all(isinstance(t, torch.Tensor) for t in values):
+        return None
+    with values[0].fake_mode:
+        return attention_2d(*values, **kwargs)
 
 
 def _bind(node: torch.fx.Node, params: tuple[str, ...], defaults: dict[str, Any]) -> dict[str, Any]:
