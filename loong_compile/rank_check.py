@@ -28,8 +28,9 @@ _checks = itertools.count()
 
 
 def fingerprint(config: dict[str, Any], gm: torch.fx.GraphModule, collectives: list[dict]) -> dict:
-    shapes = [list(v.shape) if isinstance(v := n.meta.get("example_value"), torch.Tensor) else None
-              for n in gm.graph.find_nodes(op="placeholder")]
+    # str(): a dimension marked dynamic is a SymInt ("s0"), the same symbol on every rank
+    shapes = [[str(d) for d in v.shape] if isinstance(v := n.meta.get("example_value"), torch.Tensor)
+              else None for n in gm.graph.find_nodes(op="placeholder")]
     graph = hashlib.sha256((_canonical_code(gm.graph) + json.dumps(shapes)).encode()).hexdigest()
     comparable = {k: v for k, v in config.items() if k != "dump_dir"}  # a per-rank path may differ
     return {"config": json.loads(json.dumps(comparable, default=str)), "graph": graph,
