@@ -161,8 +161,8 @@ class _GraphCompile:
                        if n.op == "call_function" and _is_loong_op(n.target)]
         if not collectives:
             return
-        rank_check.check_same_compile(
-            rank_check.fingerprint(self.config.to_dict(), self.gm, collectives),
+        rank_check.check_agreement(
+            "compile", rank_check.compile_fingerprint(self.config.to_dict(), self.gm, collectives),
             self.config.rank_check_timeout)
         self.report.passes.append(PassRecord("rank_check", "dynamo", "dynamo", 0.0, {
             "matched": len(collectives), "changed": 0,

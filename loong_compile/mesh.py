@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from loong_compile import rank_check
 from loong_compile.errors import LoongMeshError
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,9 @@ def init_mesh(hp: int = 1, cp: int = 1, placement: str = "head_first", inner_rin
     key = (hp, cp, placement, inner_ring, dp)
     mesh = _CACHE.get(key)
     if mesh is None or mesh._world is not world_group:
+        # ranks asking for different meshes would create groups no one else matches: a hang
+        rank_check.check_agreement("mesh", {"hp": hp, "cp": cp, "placement": placement,
+                                            "inner_ring": inner_ring, "dp": dp})
         mesh = _build(hp, cp, placement, inner_ring, dp, world_group)
         _CACHE[key] = mesh
         log.debug("%s", mesh.describe())

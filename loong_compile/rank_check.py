@@ -1,17 +1,17 @@
-"""Ranks agree on what they compiled before the first collective of a graph runs.
+"""Ranks agree before they communicate: on the mesh they build and on each graph they compile.
 
-A rank that compiled another graph (a different sequence length, a different
-option) would issue collectives that no other rank matches: a hang, or worse,
-wrong numbers.  So after the graph passes ran, every rank publishes a
-fingerprint of its compile (the config, the graph's code and input shapes, the
-collectives it will issue) in the process group's key-value store, waits for
+A rank that built another mesh or compiled another graph (a different sequence
+length, a different option) would issue collectives or create groups that no
+other rank matches: a hang, or worse, wrong numbers.  So every rank publishes
+what it is about to do in the process group's key-value store, waits for
 everybody else's (with a timeout) and compares.  The store is not a process
-group, so this check never interleaves with the model's own collectives, and a
-rank that never arrives is reported instead of waited for forever.
+group, so this never interleaves with the model's own collectives, and a rank
+that never arrives is reported instead of waited for forever.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
@@ -24,17 +24,54 @@ import torch.fx
 from loong_compile import _compat
 from loong_compile.errors import LoongRankMismatchError
 
-_checks = itertools.count()
+DEFAULT_TIMEOUT = 300.0
+_rounds: dict[str, itertools.count] = collections.defaultdict(itertools.count)
 
 
-def fingerprint(config: dict[str, Any], gm: torch.fx.GraphModule, collectives: list[dict]) -> dict:
+def check_agreement(topic: str, mine: dict[str, Any], timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Raise ``LoongRankMismatchError`` on every rank unless all ranks publish the same ``mine``.
+
+    ``topic`` names what is compared ("mesh", "compile"); each call is one round of it, so
+    every rank must make the same calls in the same order.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    store = _compat.default_store()
+    round_, rank, world = next(_rounds[topic]), dist.get_rank(), dist.get_world_size()
+    prefix = f"loong_compile/{topic}/{round_}/"
+    store.set(prefix + str(rank), json.dumps(mine, sort_keys=True, default=str))
+    try:
+        _compat.store_wait(store, [prefix + str(r) for r in range(world)], timeout)
+    except Exception:  # noqa: BLE001 - a store timeout: some rank never got here
+        missing = [r for r in range(world) if not store.check([prefix + str(r)])]
+        raise LoongRankMismatchError(
+            f"rank {rank} reached {topic} #{round_} but ranks {missing} did not within {timeout:.0f} s",
+            f"every rank makes the same {topic} calls in the same order (a recompile, e.g. for a "
+            "new sequence length, must happen on all ranks)",
+            "feed every rank inputs of the same shapes and the same options; see docs/usage.md "
+            "(\"Ranks must agree\")") from None
+    mine_json = json.loads(json.dumps(mine, sort_keys=True, default=str))
+    theirs = {r: json.loads(store.get(prefix + str(r))) for r in range(world)}
+    differing = sorted(r for r, other in theirs.items() if other != mine_json)
+    if differing:
+        other = differing[0]
+        raise LoongRankMismatchError(
+            f"{topic} #{round_}: rank {rank} and rank {other} differ: "
+            f"{_difference(mine_json, theirs[other])} (ranks that differ from rank {rank}: {differing})",
+            f"all ranks of a job agree on the {topic} before the first collective",
+            "pass identical options (and LOONG_* variables), mesh sizes and same-shaped inputs "
+            "on every rank")
+
+
+def compile_fingerprint(config: dict[str, Any], gm: torch.fx.GraphModule,
+                        collectives: list[dict]) -> dict[str, Any]:
+    """What ranks compare before a graph runs: options, graph, input shapes, collectives."""
     # str(): a dimension marked dynamic is a SymInt ("s0"), the same symbol on every rank
     shapes = [[str(d) for d in v.shape] if isinstance(v := n.meta.get("example_value"), torch.Tensor)
               else None for n in gm.graph.find_nodes(op="placeholder")]
-    graph = hashlib.sha256((_canonical_code(gm.graph) + json.dumps(shapes)).encode()).hexdigest()
     comparable = {k: v for k, v in config.items() if k != "dump_dir"}  # a per-rank path may differ
-    return {"config": json.loads(json.dumps(comparable, default=str)), "graph": graph,
-            "input_shapes": shapes, "collectives": collectives}
+    return {"options": comparable, "input_shapes": shapes, "collectives": collectives,
+            "graph": hashlib.sha256(_canonical_code(gm.graph).encode()).hexdigest()}
 
 
 def _canonical_code(graph: torch.fx.Graph) -> str:
@@ -46,47 +83,17 @@ def _canonical_code(graph: torch.fx.Graph) -> str:
     return "\n".join(lines)
 
 
-def check_same_compile(mine: dict, timeout: float) -> None:
-    """Raise ``LoongRankMismatchError`` on every rank unless all ranks compiled what this one did."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    store = _compat.default_store()
-    check_id, rank, world = next(_checks), dist.get_rank(), dist.get_world_size()
-    prefix = f"loong_compile/rank_check/{check_id}/"
-    store.set(prefix + str(rank), json.dumps(mine))
-    keys = [prefix + str(r) for r in range(world)]
-    try:
-        _compat.store_wait(store, keys, timeout)
-    except Exception:  # noqa: BLE001 - a store timeout: some rank did not compile this graph
-        arrived = [r for r in range(world) if store.check([prefix + str(r)])]
-        missing = sorted(set(range(world)) - set(arrived))
-        raise LoongRankMismatchError(
-            f"rank {rank} compiled a graph (compile #{check_id}) that ranks {missing} did not "
-            f"compile within {timeout:.0f} s",
-            "every rank compiles the same graphs in the same order (a recompile, e.g. for a new "
-            "sequence length, must happen on all ranks)",
-            "feed every rank inputs of the same shapes and the same options; see docs/usage.md "
-            "on mark_dynamic") from None
-    theirs = {r: json.loads(store.get(prefix + str(r))) for r in range(world)}
-    differing = {r: _difference(mine, other) for r, other in theirs.items() if other != mine}
-    if differing:
-        r, what = next(iter(sorted(differing.items())))
-        raise LoongRankMismatchError(
-            f"rank {rank} and rank {r} compiled different graphs: {what} "
-            f"(ranks that differ from rank {rank}: {sorted(differing)})",
-            "all ranks of a job compile the same graph with the same options before the first "
-            "collective",
-            "pass identical options (and LOONG_* variables) and same-shaped inputs on every rank")
-
-
 def _difference(mine: dict, other: dict) -> str:
-    keys = sorted(set(mine["config"]) | set(other["config"]))
-    config = [f"{k}={mine['config'].get(k)!r} here vs {other['config'].get(k)!r}"
-              for k in keys if mine["config"].get(k) != other["config"].get(k)]
-    if config:
-        return "options " + ", ".join(config)
-    if mine["input_shapes"] != other["input_shapes"]:
-        return f"input shapes {mine['input_shapes']} here vs {other['input_shapes']}"
-    if mine["collectives"] != other["collectives"]:
-        return f"collectives {mine['collectives']} here vs {other['collectives']}"
-    return "the graph code differs"
+    """The first field that differs, with both values; nested dicts (options) key by key."""
+    for key in sorted(set(mine) | set(other)):
+        a, b = mine.get(key), other.get(key)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs = [f"{k}={a.get(k)!r} here vs {b.get(k)!r}" for k in sorted(set(a) | set(b))
+                     if a.get(k) != b.get(k)]
+            return f"{key}: " + ", ".join(diffs)
+        if key == "graph":
+            return "the graph code differs"
+        return f"{key}: {a!r} here vs {b!r}"
+    return "nothing (equal)"

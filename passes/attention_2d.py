@@ -12,9 +12,10 @@ emits:    one ``loong_compile.ops.attention_2d`` call per site, on the un-repeat
           mesh's group names as constant arguments; it traces into the seq all-to-all and
           Double-Ring custom ops under AOTAutograd.
 refuses:  an ``attn_mask``, ``dropout_p > 0``, or anything else that 2D-Attention cannot compute
-          exactly: a ``LoongUnsupportedError`` naming the node, its source line and the reason.
-          Computing such a call on a rank's local tokens alone would be wrong over a sharded
-          sequence, so that is never done silently.
+          exactly: a ``LoongUnsupportedError`` naming the node, its source line and the reason,
+          with or without ``strict`` (computing such a call on a rank's local tokens alone would
+          be wrong over a sharded sequence).  ``strict=True`` also refuses a multi-rank graph
+          with no attention at all, which otherwise gets a warning.
 reports:  each rewritten site (source line, module, heads, KV heads, un-repeated or not, causal,
           scale, mesh sizes); a warning when a multi-rank graph has no attention at all.
 """
@@ -75,6 +76,11 @@ class Attention2DPass:
             msg = (f"no attention call found in graph {ctx.graph_id} under hp={ctx.config.hp}, "
                    f"cp={ctx.config.cp}: nothing is distributed, and every sequence-wise op runs on "
                    f"this rank's tokens only")
+            if ctx.config.strict:
+                raise LoongUnsupportedError(msg, "strict=True requires every graph under a "
+                                            "multi-rank mesh to contain an attention call it rewrites",
+                                            "check the model calls F.scaled_dot_product_attention "
+                                            "or flash_attn_func, or pass strict=False")
             summary["warning"] = msg
             warnings.warn(f"loong_compile: {msg}", stacklevel=2)
         return summary

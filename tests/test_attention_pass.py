@@ -137,6 +137,12 @@ def test_no_attention_warns_and_reports():
     assert summary["matched"] == 0 and "no attention call found" in summary["warning"]
 
 
+def test_no_attention_is_an_error_under_strict():
+    gm = dynamo_graph(lambda x: x.cumsum(1), torch.randn(2, 8))
+    with pytest.raises(LoongUnsupportedError, match="no attention call found.*strict=True"):
+        run_pass(gm, strict=True)
+
+
 def test_pass_applies_only_when_the_sequence_is_split():
     p = Attention2DPass()
     assert not p.enabled(LoongConfig())
