@@ -115,6 +115,15 @@ def fake_mode_of(values):
     return detect_fake_mode(values)
 
 
+def real_tensors():
+    """A context in which tensors are real even inside the partitioner (which runs under
+    AOTAutograd's FakeTensorMode): for MEMO's measurements (copy bandwidth, matmul rate)
+    and the all-reduce that makes ranks agree on them.  Checked against torch 2.13."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
 def compile_fx(gm, example_inputs, config_patches):
     """Inductor's entry point, with config patches scoped to this compile."""
     from torch._inductor.compile_fx import compile_fx as _compile_fx
@@ -253,7 +262,8 @@ def _inductor_own_pools(allocations, output_allocations) -> list[tuple[int, int,
     from torch._inductor.codegen.memory_planning import Allocation, AllocationPools
 
     def copy(a):
-        return Allocation(a.node, a.live_range, size_hint=a.size_hint, symbolic_size=a.symbolic_size)
+        return Allocation(a.node, a.live_range, size_hint=a.size_hint,
+                          symbolic_size=a.symbolic_size)
 
     pools = AllocationPools()
     for block in sorted((copy(a) for a in output_allocations),
@@ -344,6 +354,9 @@ def _pool_planner_class():
                         inductor_pools=_inductor_own_pools(
                             allocations, [a for a in outputs if a.device == device]))
                     offsets = self.planner(request)
+                    if offsets is not None and len(offsets) != len(allocations):
+                        raise RuntimeError(f"memory planner returned {len(offsets)} offsets "
+                                           f"for {len(allocations)} buffers")
                 if offsets is None:  # dynamic sizes, or the planner declined: Inductor's own plan
                     for block in sorted(allocations, key=lambda x: (-x.size_hint, -len(x.live_range))):
                         self.pools.allocate(block)
