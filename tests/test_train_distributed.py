@@ -81,8 +81,9 @@ def distributed_run(kind, kv_heads, options) -> tuple[list[float], dict[str, tor
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     tokens = BATCH * mesh.dp * (SEQ - 1)
-    losses, grads = [], None
+    losses, grads, step_seconds = [], None, []
     for step in range(STEPS):
+        started = time.perf_counter()
         ids = batch_for_step(step, mesh.dp)[mesh.dp_rank * BATCH:(mesh.dp_rank + 1) * BATCH]
         shard = lc.shard_batch(ids, ids, mesh)
         logits = logits_of(compiled, kind, shard.input_ids, shard.position_ids)
@@ -98,7 +99,8 @@ def distributed_run(kind, kv_heads, options) -> tuple[list[float], dict[str, tor
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item())
-    return losses, grads, reports[0] if reports else None
+        step_seconds.append(time.perf_counter() - started)
+    return losses, grads, reports[0] if reports else None, step_seconds
 
 
 def train_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
@@ -113,10 +115,10 @@ def train_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
         ref_losses, ref_grads = refs[key]
         torch._dynamo.reset()
         start = time.perf_counter()
-        losses, grads, report = distributed_run(kind, kv_heads, options)
+        losses, grads, report, step_seconds = distributed_run(kind, kv_heads, options)
         rewritten = report.summary("attention_2d")["changed"] if report else []
         results.append({
-            "case": case, "seconds": time.perf_counter() - start,
+            "case": case, "seconds": time.perf_counter() - start, "step_seconds": step_seconds,
             "losses": losses, "ref_losses": ref_losses,
             "grad_errors": {n: ((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm()).item()
                             for n in ref_grads},
@@ -152,24 +154,42 @@ def check(results: list[dict]) -> None:
         assert worst[1] <= 1e-5, (label, worst)
 
 
-def cases_for(world: int, lowering: str, activations: str = "none") -> list[dict]:
+def case(model: str, lowering: str, activations: str, **grid) -> dict:
+    return {"model": model, "kv_heads": 2,
+            "options": {**grid, "lowering": lowering, "activations": activations}}
+
+
+def cases_for(world: int, activations: str, both_models: bool) -> list[dict]:
+    """The sweep of one world size; with ``both_models`` every grid point trains both models,
+    otherwise they alternate inside each (hp, cp) so that each model still meets every (hp, cp)."""
     cases = []
-    for i, grid in enumerate(sweep(world)):
-        # alternate the two models over the grid; GQA with fewer KV heads than hp where hp > 2
-        kind = "llama" if i % 2 == 0 else "hf"
-        kv_heads = 2
-        cases.append({"model": kind, "kv_heads": kv_heads,
-                      "options": {**grid, "lowering": lowering, "activations": activations}})
+    for (hp, cp), points in itertools.groupby(sweep(world), key=lambda g: (g["hp"], g["cp"])):
+        points = list(points)
+        for i, grid in enumerate(points):
+            models = ["llama", "hf"] if both_models or len(points) == 1 else [("llama", "hf")[i % 2]]
+            cases += [case(m, "aot_eager", activations, **grid) for m in models]
     return cases
 
 
 @pytest.mark.slow
-def test_four_ranks_every_configuration_matches_one_process():
-    results = run_distributed(train_worker, 4, cases_for(4, "aot_eager"), timeout=TIMEOUT)[0]
-    check(results)
+def test_four_ranks_every_configuration_both_models_match_one_process():
+    """Also the compiled-vs-eager gradient check: a collective whose backward silently gives zero
+    gradients under compile fails ``check`` (every parameter's gradient is compared, none may be 0)."""
+    cases = cases_for(4, "none", both_models=True)
+    cases.append(case("llama", "aot_eager", "none", hp=1, cp=2, placement="head_first", inner_ring=2))  # dp=2
+    cases.append(case("hf", "inductor", "none", hp=2, cp=2, placement="context_first", inner_ring=2))
+    check(run_distributed(train_worker, 4, cases, timeout=TIMEOUT)[0])
+
+
+@pytest.mark.slow
+def test_four_ranks_selective_checkpoint_matches_one_process():
+    check(run_distributed(train_worker, 4, cases_for(4, "sc++", both_models=False), timeout=TIMEOUT)[0])
 
 
 @pytest.mark.slow
 def test_eight_ranks_every_configuration_matches_one_process():
-    results = run_distributed(train_worker, 8, cases_for(8, "aot_eager"), timeout=TIMEOUT)[0]
-    check(results)
+    cases = cases_for(8, "none", both_models=False)
+    cases.append(case("llama", "aot_eager", "none", hp=2, cp=2, placement="context_first", inner_ring=2))  # dp=2
+    cases.append(case("llama", "aot_eager", "sc++", hp=2, cp=4, placement="context_first", inner_ring=2))
+    cases.append(case("hf", "aot_eager", "sc++", hp=8, cp=1, placement="head_first", inner_ring=1))
+    check(run_distributed(train_worker, 8, cases, timeout=TIMEOUT)[0])
