@@ -54,8 +54,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, nargs="*", default=[], help="passes to skip")
         elif f.type in ("bool",):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif name == "alpha":
-            parser.add_argument(flag, default="auto", help='"auto" or a float in [0, 1]')
+        elif f.type == "float | str":  # alpha, host_bandwidth, ...: "auto" or a number
+            parser.add_argument(flag, default=f.default, help='"auto" or a number')
         else:
             kind = {"int": int, "float": float}.get(f.type, str)
             parser.add_argument(flag, type=kind, default=f.default)
@@ -63,8 +63,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> dict:
     options = {name: getattr(args, name) for name in LoongConfig.__dataclass_fields__}
-    if options["alpha"] != "auto":
-        options["alpha"] = float(options["alpha"])
+    for name, f in LoongConfig.__dataclass_fields__.items():
+        if f.type == "float | str" and options[name] != "auto":
+            options[name] = float(options[name])
     return options
 
 

@@ -179,17 +179,25 @@ def trace_artifact(name: str, payload: str, encoding: str = "string") -> None:
 # How our offsets reach Inductor (checked against torch 2.13):
 # * ``config.memory_planning=True`` makes the wrapper codegen pass its
 #   allocation lines through ``codegen.memory_planning.MemoryPlanner``, which
-#   joins in-place reuses into ``BufferGroup``s, numbers the steps (live ranges
-#   are half-open ``[alloc step, free step)``), places the groups in
-#   ``AllocationPool``s and emits ``alloc_from_pool(pool, offset, ...)``.
+#   joins in-place reuses into ``BufferGroup``s, numbers the steps (a step is
+#   one run of allocation/free lines between kernels; live ranges are
+#   half-open ``[alloc step, free step)``; within a run frees come before
+#   allocations), places the groups in ``AllocationPool``s (one
+#   ``torch.empty`` each, created at its first member's allocation and deleted
+#   after its last member's free) and emits ``alloc_from_pool(pool, offset, ...)``.
 # * ``PythonWrapperCodegen.run_wrapper_ir_passes(is_inference)`` only runs that
 #   planner for inference graphs.  Our ``_post_fusion_custom_pass`` (a config
 #   entry, so scoped to one ``compile_fx`` and part of the FX-graph cache key
 #   through ``uuid()``) runs after fusion, when ``V.graph.wrapper_code`` already
 #   exists, and replaces ``run_wrapper_ir_passes`` on that one wrapper object.
 # * Our ``MemoryPlanner`` subclass keeps Inductor's handling of graph outputs
-#   (each its own pool: normal allocation, freed with the output) and puts all
-#   intermediates of a device in one pool at the offsets the planner returns.
+#   (each its own pool: a normal allocation, freed with the output) and hands
+#   the intermediates of each device to the planner callback, with the bytes
+#   everything else holds at each step (the "background": outputs, buffers
+#   extern kernels allocate themselves, saved activations the backward frees).
+#   The callback puts each intermediate in one of its pools at an offset, or
+#   on its own (its own pool: a normal allocation), or declines; a decline
+#   gives the whole graph Inductor's default allocation (no pools at all).
 
 import functools  # noqa: E402 - this section's imports, kept with it
 
@@ -199,39 +207,62 @@ from torch._inductor.custom_graph_pass import CustomSchedulerPass  # noqa: E402
 class PoolBuffer:
     """One Inductor ``BufferGroup`` of intermediates, as the planner sees it."""
 
-    __slots__ = ("names", "size", "start", "end", "origins", "device")
+    __slots__ = ("names", "size", "start", "end", "origins")
 
-    def __init__(self, names, size, start, end, origins, device):
+    def __init__(self, names, size, start, end, origins):
         self.names = names        # the group's buffer names (in-place reuses share a group)
         self.size = size          # bytes (Inductor's size hint)
         self.start = start        # half-open live range [start, end) in planning steps
         self.end = end
         self.origins = origins    # [(fx node name, [nn.Module paths outer->inner])] in graph order
-        self.device = device
 
     def __repr__(self):
         return f"PoolBuffer({self.names}, {self.size} B, [{self.start}, {self.end}))"
 
 
 class PoolRequest:
-    """What one graph's pool planning hands to the planner callback.
+    """What one graph's pool planning hands to the planner callback (per device).
 
-    ``outputs`` and ``inductor_pools`` are ``(bytes, start, end)`` triples: the
-    graph outputs' own allocations, and the pools Inductor's own heuristic
-    would create (outputs' pools included), live from first to last use.
+    ``background[t]``: bytes held at step ``t`` (``0 <= t < steps``) by
+    everything the planner does not place: graph outputs, buffers extern
+    kernels allocate, saved activations until the backward frees them
+    (graph inputs the caller keeps alive are left out: they are the same
+    with any plan).  ``outputs`` and ``inductor_pools`` are ``(bytes, start,
+    end)`` triples: the outputs' own allocations, and the pools Inductor's own
+    heuristic would create (outputs' pools included).  ``dynamic`` names why
+    the graph cannot be planned statically (symbolic or unbacked sizes), or is
+    None.  The callback answers with ``placement``: per buffer ``(pool,
+    offset)`` or ``None`` (allocated on its own), or leaves it None to decline.
     """
 
-    __slots__ = ("graph_name", "is_inference", "device", "buffers", "outputs",
-                 "inductor_pools", "offsets")
+    __slots__ = ("graph_name", "graph_kind", "device", "buffers", "steps", "background",
+                 "outputs", "inductor_pools", "dynamic", "placement")
 
-    def __init__(self, graph_name, is_inference, device, buffers, outputs, inductor_pools):
-        self.graph_name = graph_name
-        self.is_inference = is_inference
+    def __init__(self, graph_name, graph_kind, device, buffers, steps, background, outputs,
+                 inductor_pools, dynamic=None):
+        self.graph_name = graph_name            # AOTAutograd's name, e.g. "0_backward"
+        self.graph_kind = graph_kind            # "forward", "backward" or "inference"
         self.device = device
         self.buffers = buffers                  # list[PoolBuffer]: the intermediates
+        self.steps = steps
+        self.background = background
         self.outputs = outputs
         self.inductor_pools = inductor_pools
-        self.offsets = None                     # the planner's answer, per buffer
+        self.dynamic = dynamic
+        self.placement = None
+
+    def __str__(self):
+        """A readable dump (the ``inductor`` stage's "graph"): one line per buffer."""
+        head = (f"# {self.graph_name} ({self.graph_kind}) on {self.device}: "
+                f"{len(self.buffers)} intermediates, {len(self.outputs)} outputs, "
+                f"{self.steps} steps" + (f"; dynamic: {self.dynamic}" if self.dynamic else ""))
+        lines = [head, "# name            bytes  [start, end)  placement"]
+        placement = self.placement or [None] * len(self.buffers)
+        for b, where in zip(self.buffers, placement):
+            at = ("own allocation" if where is None else f"pool {where[0]} + {where[1]}"
+                  ) if self.placement is not None else "-"
+            lines.append(f"{b.names[0]:<12} {b.size:>12}  [{b.start}, {b.end})  {at}")
+        return "\n".join(lines) + "\n"
 
 
 def _module_paths(fx_node) -> list[str]:
@@ -240,11 +271,13 @@ def _module_paths(fx_node) -> list[str]:
     return [path for path, _cls in stack.values()]
 
 
-def _graph_name(is_inference: bool) -> str:
-    """AOTAutograd's name for the graph being compiled (``0_forward``), if any."""
+def _graph_identity(is_inference: bool) -> tuple[str, str]:
+    """AOTAutograd's name for the graph being compiled (``0_forward``) and its kind."""
     context = torch._guards.TracingContext.try_get()
     names = getattr(context, "aot_graph_name", None) if context is not None else None
-    return "_".join(names) if names else ("inference" if is_inference else "graph")
+    name = "_".join(names) if names else ("inference" if is_inference else "graph")
+    kind = "inference" if is_inference else ("backward" if "backward" in name else "forward")
+    return name, kind
 
 
 def _graph_positions():
@@ -252,6 +285,111 @@ def _graph_positions():
 
     gm = getattr(V.graph, "module", None)
     return {n.name: k for k, n in enumerate(gm.graph.nodes)} if gm is not None else {}
+
+
+def _storage_bytes(node) -> int:
+    """Bytes of a buffer's storage (size hint); 0 for what has no tensor layout."""
+    from torch._inductor.virtualized import V
+
+    try:
+        nbytes = node.get_layout().storage_size() * node.get_dtype().itemsize
+    except (AttributeError, NotImplementedError):
+        return 0
+    return int(V.graph.sizevars.optimization_hint(nbytes, fallback=0))
+
+
+def _flat_buffers(outputs) -> list:
+    out = []
+    for item in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
+        if isinstance(item, (list, tuple)):
+            out += _flat_buffers(item)
+        elif item is not None and hasattr(item, "get_name"):
+            out.append(item)
+    return out
+
+
+def _background_bytes(lines, groups) -> list[int]:
+    """Bytes held at each step (``0 .. last step``) by all but the ``groups``' storage.
+
+    Replays the wrapper lines (already converted to pool lines, steps numbered
+    as ``MemoryPlanner.compute_live_ranges`` does) tracking which names keep
+    which storage alive: outputs from their allocation on; saved activations
+    (``DonatedBuffer`` inputs) until their last name is deleted; storage that
+    extern kernels allocate themselves (fallback ops, multi-output ops) until
+    their last name, tuple element or alias is deleted.  Each step's value is
+    the most held at a kernel of that step (memory peaks while kernels run).
+    """
+    from torch._inductor import ir
+    from torch._inductor.codegen import memory_planning as mp
+    from torch._inductor.codegen import wrapper as w
+    from torch._inductor.virtualized import V
+
+    planned = {name for g in groups for name in g.names}
+    size: dict[int, int] = {}
+    refs: dict[int, int] = {}
+    held: dict[str, list[int]] = {}
+    pending: dict[str, int] = {}          # multi-output element name -> its storage
+    live = 0
+
+    def new(name, nbytes):
+        nonlocal live
+        sid = len(size)
+        size[sid], refs[sid] = nbytes, 0
+        live += nbytes
+        hold(name, [sid])
+        return sid
+
+    def hold(name, sids):
+        for sid in sids:
+            refs[sid] += 1
+        held.setdefault(name, []).extend(sids)
+
+    def drop(name):
+        nonlocal live
+        for sid in held.pop(name, ()):
+            refs[sid] -= 1
+            if refs[sid] == 0:
+                live -= size[sid]
+
+    for name, value in V.graph.graph_inputs.items():
+        buffer = getattr(getattr(value, "data", None), "data", None)
+        if isinstance(buffer, ir.DonatedBuffer):  # other inputs stay alive in the caller
+            new(name, _storage_bytes(buffer))
+    background = [live]
+    in_run = False
+    for line in lines:
+        if isinstance(line, w.MemoryPlanningLine):
+            if not in_run:  # a new step: its value is taken at its kernels
+                background.append(0)
+                in_run = True
+            if isinstance(line, mp.AllocFromPoolLine) and line.group.names[0] not in planned:
+                new(line.group.names[0], line.group.allocation.size_hint)
+            elif isinstance(line, w.ReuseLine) and line.node.get_name() in held:
+                old, new_name = line.node.get_name(), line.reused_as.get_name()
+                hold(new_name, held[old])
+                if line.delete_old:
+                    drop(old)
+            elif isinstance(line, w.ReinterpretLine) and line.node.get_name() in held:
+                hold(line.reused_as.get_name(), held[line.node.get_name()])
+            elif isinstance(line, w.FreeIfNotReusedLine) and line.node.get_name() not in planned:
+                drop(line.node.get_name())
+            continue
+        in_run = False
+        background[-1] = max(background[-1], live)   # the state kernels of this step start in
+        if isinstance(line, w.FreeLine):
+            drop(line.node.get_name())
+        elif isinstance(line, w.ExternKernelAllocLine):
+            node = line.node
+            if isinstance(node.layout, ir.MultiOutputLayout):
+                for element in _flat_buffers(node.outputs):
+                    pending[element.get_name()] = new(node.get_name(), _storage_bytes(element))
+            else:
+                new(node.get_name(), _storage_bytes(node))
+        elif isinstance(line, w.MultiOutputLine) and line.result_name in pending:
+            hold(line.result_name, [pending.pop(line.result_name)])
+        background[-1] = max(background[-1], live)
+    background[-1] = max(background[-1], live)
+    return background
 
 
 def _inductor_own_pools(allocations, output_allocations) -> list[tuple[int, int, int]]:
@@ -277,6 +415,10 @@ def _inductor_own_pools(allocations, output_allocations) -> list[tuple[int, int,
         live = pool.root.get_live_ranges()
         out.append((int(pool.root.get_size_hint()), int(live.begin), int(live.end)))
     return out
+
+
+class _Declined(Exception):
+    """The planner callback declined a graph: it gets Inductor's default allocation."""
 
 
 @functools.cache
@@ -315,58 +457,82 @@ def _pool_planner_class():
         def __init__(self, wrapper, planner, is_inference):
             super().__init__(wrapper)
             self.planner, self.is_inference = planner, is_inference
+            self.lines = []
+
+        def compute_live_ranges(self, lines):
+            super().compute_live_ranges(lines)
+            self.lines = lines  # converted to pool lines: the background replays them
 
         def allocate_groups(self):
             from torch._inductor.utils import _align
-            from torch._inductor.virtualized import V
 
             for group in self.buffer_groups:
                 group.make_allocation()
-            outputs = [g.allocation for g in self.buffer_groups if g.is_output]
-            for block in sorted(outputs, key=lambda x: (x.size_hint, -len(x.live_range))):
-                self.pools.allocate_output(block)
-            by_device = {}
-            for group in self.buffer_groups:
-                if not group.is_output:
-                    by_device.setdefault(group.allocation.device, []).append(group)
+            outputs = [g for g in self.buffer_groups if g.is_output]
+            # Groups never freed in the graph (live until it returns) are allocated like outputs.
+            intermediates = [g for g in self.buffer_groups
+                             if not g.is_output and g.live_range.end > g.live_range.begin]
+            alone = [g.allocation for g in self.buffer_groups
+                     if not g.is_output and g not in intermediates]
+            background = _background_bytes(self.lines, intermediates)
+            name, kind = _graph_identity(self.is_inference)
             positions = _graph_positions()
-            for device, groups in by_device.items():
+            placements = []
+            # Every graph gets a request (an empty one if it has no intermediates), so
+            # that the planner can report on it.
+            devices = {g.allocation.device: None for g in intermediates} or {None: None}
+            for device in devices:
+                groups = [g for g in intermediates if g.allocation.device == device]
                 allocations = [g.allocation for g in groups]
-                static = all(isinstance(a.symbolic_size, (int, sympy.Integer))
-                             and a.get_earliest_available() is None for a in allocations)
-                offsets = None
-                if static:
-                    request = PoolRequest(
-                        graph_name=_graph_name(self.is_inference),
-                        is_inference=self.is_inference, device=str(device),
-                        buffers=[PoolBuffer(list(g.names), int(g.allocation.size_hint),
-                                            int(g.live_range.begin),
-                                            # a group never freed still lives through the
-                                            # kernel after its allocation
-                                            max(int(g.live_range.end), int(g.live_range.begin) + 1),
-                                            sorted(((o.name, _module_paths(o))
-                                                    for o in g.node.get_origins()),
-                                                   key=lambda o: positions.get(o[0], -1)),
-                                            str(device))
-                                 for g in groups],
-                        outputs=[(int(a.size_hint), int(a.live_range.begin), int(a.live_range.end))
-                                 for a in outputs if a.device == device],
-                        inductor_pools=_inductor_own_pools(
-                            allocations, [a for a in outputs if a.device == device]))
-                    offsets = self.planner(request)
-                    if offsets is not None and len(offsets) != len(allocations):
-                        raise RuntimeError(f"memory planner returned {len(offsets)} offsets "
-                                           f"for {len(allocations)} buffers")
-                if offsets is None:  # dynamic sizes, or the planner declined: Inductor's own plan
-                    for block in sorted(allocations, key=lambda x: (-x.size_hint, -len(x.live_range))):
-                        self.pools.allocate(block)
-                    continue
-                arena = max(off + _align(a.size_hint) for a, off in zip(allocations, offsets))
-                for a in allocations:
-                    a.mark_allocated()
-                root = mp.TemporalSplit([FixedPlacement(allocations, list(offsets), arena)])
-                self.pools.device_to_pools.setdefault(device, []).append(
-                    mp.AllocationPool(device, root, can_expand=False))
+                dynamic = None
+                if not all(isinstance(a.symbolic_size, (int, sympy.Integer)) for a in allocations):
+                    dynamic = "symbolic buffer sizes (dynamic shapes)"
+                elif any(a.get_earliest_available() is not None for a in allocations):
+                    dynamic = "unbacked buffer sizes"
+                device_outputs = [g.allocation for g in outputs if g.allocation.device == device]
+                request = PoolRequest(
+                    graph_name=name, graph_kind=kind, device=str(device),
+                    buffers=[PoolBuffer(list(g.names), int(g.allocation.size_hint),
+                                        int(g.live_range.begin), int(g.live_range.end),
+                                        sorted(((o.name, _module_paths(o))
+                                                for o in g.node.get_origins()),
+                                               key=lambda o: positions.get(o[0], -1)))
+                             for g in groups],
+                    steps=len(background), background=background,
+                    outputs=[(int(a.size_hint), int(a.live_range.begin), int(a.live_range.end))
+                             for a in device_outputs],
+                    inductor_pools=_inductor_own_pools(allocations, device_outputs),
+                    dynamic=dynamic)
+                self.planner(request)
+                if request.placement is None:
+                    raise _Declined(request.graph_name)
+                if len(request.placement) != len(groups):
+                    raise RuntimeError(f"memory planner placed {len(request.placement)} of "
+                                       f"{len(groups)} buffers")
+                placements.append((device, allocations, request.placement))
+
+            for block in sorted((g.allocation for g in outputs),
+                                key=lambda x: (x.size_hint, -len(x.live_range))):
+                self.pools.allocate_output(block)
+            for device, allocations, placement in placements:
+                members: dict[int, list] = {}
+                for a, where in zip(allocations, placement):
+                    if where is None:
+                        alone.append(a)
+                    else:
+                        members.setdefault(where[0], []).append((a, where[1]))
+                for pool in members.values():
+                    for a, _ in pool:
+                        a.mark_allocated()
+                    arena = max(off + _align(a.size_hint) for a, off in pool)
+                    root = mp.TemporalSplit([FixedPlacement([a for a, _ in pool],
+                                                            [off for _, off in pool], arena)])
+                    self.pools.device_to_pools.setdefault(device, []).append(
+                        mp.AllocationPool(device, root, can_expand=False))
+            for block in alone:  # one pool each: a normal allocation
+                block.mark_allocated()
+                self.pools.get_pools(block).append(
+                    mp.AllocationPool(block.device, mp.TemporalSplit([block]), can_expand=False))
             self.pools.finalize()
 
     return LoongMemoryPlanner
@@ -375,11 +541,12 @@ def _pool_planner_class():
 def pool_planning_patches(planner, cache_key: str) -> dict:
     """Inductor config patches that place every graph's intermediates with ``planner``.
 
-    ``planner(request: PoolRequest) -> list[int] | None`` returns one byte
-    offset per ``request.buffers`` entry (a verified plan; offsets aligned to
-    Inductor's 64 bytes) or None to keep Inductor's own pool plan.  Applies to
-    training and inference graphs alike; graph inputs and outputs keep their
-    normal allocation.  Hand the dict to ``compile_fx(config_patches=...)``.
+    ``planner(request: PoolRequest)`` sets ``request.placement`` (one
+    ``(pool, offset)`` or ``None`` per ``request.buffers`` entry: a verified
+    plan, offsets aligned to Inductor's 64 bytes) or leaves it None to give the
+    graph Inductor's default allocation.  Applies to training and inference
+    graphs alike; graph inputs and outputs keep their normal allocation.
+    Hand the dict to ``compile_fx(config_patches=...)``.
     """
     return {
         "memory_planning": True,
@@ -392,7 +559,8 @@ def _install_pool_planning(wrapper, planner) -> None:
     """Make this one wrapper run pool planning with ``planner``, training graphs included."""
     import types
 
-    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+    from torch._inductor import config
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen, ReuseLine
 
     if getattr(wrapper, "_loong_pool_planning", False):
         return
@@ -402,7 +570,15 @@ def _install_pool_planning(wrapper, planner) -> None:
     planner_class = _pool_planner_class()
 
     def run_wrapper_ir_passes(self, is_inference):
-        self.lines = planner_class(self, planner, is_inference).plan(self.lines)
+        # Pool planning edits ReuseLines in place: keep what a decline must restore.
+        reuse = [(line, line.delete_old) for line in self.lines if isinstance(line, ReuseLine)]
+        try:
+            self.lines = planner_class(self, planner, is_inference).plan(self.lines)
+        except _Declined:
+            for line, delete_old in reuse:
+                line.delete_old = delete_old
+            with config.patch(memory_planning=False):  # Inductor's default: no pools
+                PythonWrapperCodegen.run_wrapper_ir_passes(self, is_inference)
 
     wrapper.run_wrapper_ir_passes = types.MethodType(run_wrapper_ir_passes, wrapper)
     wrapper._loong_pool_planning = True
@@ -420,3 +596,30 @@ class PoolPlanningHook(_KeyedHook, CustomSchedulerPass):
 
         _install_pool_planning(V.graph.wrapper_code, self.fn)
         return nodes
+
+
+def generated_code(fn, *args, **kwargs):
+    """``(fn(*args, **kwargs), [source of every graph Inductor generated meanwhile])``."""
+    from torch._inductor.utils import run_and_get_code
+
+    return run_and_get_code(fn, *args, **kwargs)
+
+
+def measure_peak_bytes(fn):
+    """``(fn(), peak)``: the most bytes the CPU allocator held during ``fn`` above what it
+    held when ``fn`` started, from the profiler's allocation events (tests, benchmarks)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag.name == "Allocation":
+            events.append(node)
+    if not events:
+        return result, 0
+    events.sort(key=lambda n: n.start_time_ns)
+    start = events[0].extra_fields.total_allocated - events[0].extra_fields.alloc_size
+    return result, max(n.extra_fields.total_allocated for n in events) - start

@@ -8,7 +8,8 @@ Stages (docs/architecture.md has a paragraph on each):
    ``lowering="aot_eager"``), runs the joint-graph passes, PyTorch's min-cut
    partition, then the passes that see the forward and backward graphs together.
 3. ``post_grad``: passes on Inductor's post-grad graphs (``post_grad_custom_post_pass``).
-4. Inductor generates the kernels.
+4. Inductor generates the kernels; ``inductor``: passes that place its buffers in memory
+   pools (``_compat.pool_planning_patches``), once per compiled graph.
 
 Every hook is handed to ``compile_fx`` as ``config_patches``, so no global
 torch config is changed by a compile.
@@ -16,6 +17,7 @@ torch config is changed by a compile.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -193,10 +195,16 @@ class _GraphCompile:
             "custom_partitioner_fn": _compat.LoongPartitioner(self.partition, key),
             "post_grad_custom_post_pass": _compat.LoongPostGrad(self._post_grad, key),
         }
+        if self.active["inductor"]:
+            patches.update(_compat.pool_planning_patches(self._plan_memory, key))
         if self.config.dump_dir:
             # A cache hit skips our passes, so the dump would miss stages the user asked to see.
             patches["fx_graph_cache"] = False
         return patches
+
+    def _plan_memory(self, request: Any) -> None:
+        """One compiled graph's buffers (a ``_compat.PoolRequest``) through the inductor stage."""
+        self.run_stage("inductor", request, request.graph_kind)
 
     def _post_grad(self, graph: torch.fx.Graph, is_inference: bool) -> None:
         is_backward = any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder"))
@@ -204,13 +212,25 @@ class _GraphCompile:
         self.run_stage("post_grad", graph, kind)
 
     def _cache_key(self) -> str:
-        """Inductor's caches must see everything our hooks' output depends on."""
-        sources = sorted({_module_file(p) for stage in self.active.values() for p in stage})
+        """Inductor's caches must see everything our hooks' output depends on: the options,
+        the active passes and the library's source (passes, ops, planner, estimator)."""
         h = hashlib.sha256(json.dumps(self.config.to_dict(), sort_keys=True, default=str).encode())
-        for path in sources + [__file__]:
-            h.update(Path(path).read_bytes())
         h.update(",".join(p.name for s in STAGES for p in self.active[s]).encode())
+        h.update(_source_digest().encode())
         return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _source_digest() -> str:
+    """One hash of every .py file of loong_compile (the passes install inside it)."""
+    import loong_compile
+    import loong_compile.passes
+
+    roots = {Path(loong_compile.__file__).parent, Path(loong_compile.passes.__file__).parent}
+    h = hashlib.sha256()
+    for path in sorted(p for root in roots for p in root.rglob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 def _is_loong_op(target: Any) -> bool:
@@ -221,12 +241,6 @@ def _collective_signature(node: torch.fx.Node) -> dict[str, Any]:
     """What must match across ranks: the op and its sizes (group names differ per rank)."""
     return {"op": node.target.__name__, "node": node.name,
             **{k: v for k, v in node.kwargs.items() if not k.endswith("_group")}}
-
-
-def _module_file(obj: object) -> str:
-    import inspect as pyinspect
-
-    return pyinspect.getfile(type(obj))
 
 
 def _mesh_for(config: LoongConfig) -> Any:

@@ -38,7 +38,8 @@ class LoongConfig:
     resident_layers: under ``memo``, the last this-many transformer layers keep their saved
         values on device, neither offloaded nor recomputed (MEMO's eq. 3 counts n - 2).
     memory_plan: give Inductor's buffers static offsets from the bi-level MIP.
-    solver_time_limit: seconds per MIP solve.
+    solver_time_limit: seconds the memory planner may spend on one compiled graph (greedy,
+        search and MIP solves of all its pools together; the best plan found by then is used).
     dump_dir: write graphs and reports here (per rank, per graph, per stage).
     disable_passes: names of passes to skip.
     lowering: ``inductor``; ``aot_eager`` / ``eager`` for debugging.

@@ -11,6 +11,7 @@ def library_passes() -> list:
     from loong_compile.passes.activations import ActivationsPass
     from loong_compile.passes.attention_2d import Attention2DPass
     from loong_compile.passes.checkpoint import SelectiveCheckpointPass
+    from loong_compile.passes.memory_plan import MemoryPlanPass
     from loong_compile.passes.offload import OffloadPass
     from loong_compile.passes.recompute import TokenSliceRecomputePass
 
@@ -20,4 +21,5 @@ def library_passes() -> list:
         ActivationsPass(),
         TokenSliceRecomputePass(),
         OffloadPass(),
+        MemoryPlanPass(),
     ]

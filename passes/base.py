@@ -18,6 +18,10 @@ split      ``SplitGraphs``: forward and backward        inductor, aot_eager
            values saved between them
 post_grad  Inductor's post-grad ``torch.fx.Graph``      inductor
            (forward and backward separately)
+inductor   ``_compat.PoolRequest``: one compiled       inductor
+           graph's intermediate buffers, their live
+           ranges and the bytes held beside them,
+           inside Inductor's wrapper codegen
 =========  ==========================================  =========================
 """
 
@@ -28,7 +32,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch.fx
 
-STAGES = ("dynamo", "joint", "split", "post_grad")
+STAGES = ("dynamo", "joint", "split", "post_grad", "inductor")
 
 
 @dataclasses.dataclass

@@ -5,18 +5,23 @@ graph (forward, backward, inference) and device, through the hook in
 ``loong_compile._compat`` (``pool_planning_patches``).  The graph handed to
 ``run`` is a ``_compat.PoolRequest``: the graph's intermediate buffer groups
 with sizes, half-open live ranges in Inductor's planning steps and their
-origin nodes' ``nn_module_stack`` paths.
+origin nodes' ``nn_module_stack`` paths, plus the bytes everything else holds
+at each step (the background: outputs, saved activations, extern buffers).
 
 Matches: every intermediate buffer group (graph inputs and outputs keep their
-normal allocation).  Emits: ``request.offsets``, one byte offset per group, a
-plan that has passed ``planner.verify``; Inductor then allocates one pool per
-device and carves every intermediate out of it (``alloc_from_pool``).
+normal allocation).  Emits: ``request.placement``, per buffer a pool and an
+offset in it or its own allocation, from ``planner.plan_pools``: the whole
+graph's bi-level plan as one pool when that does not raise the graph's peak,
+else pools over time segments chosen so that the peak stays at what
+allocating every buffer on its own reaches.  Inductor then creates each pool
+with one allocation and carves its buffers out of it (``alloc_from_pool``).
 
 Buffers are grouped by transformer layer: the outermost module on an origin's
 path that is a numbered ``ModuleList`` entry (``model.layers.3``); layers of
-identical structure share one level-1 solution.  If planning raises, the
-greedy plan is used; if that raises too, Inductor's own pool plan; the compile
-never fails because of the planner, and the summary says what happened.
+identical structure share one level-1 solution.  If the solver fails or runs
+out of time the best heuristic plan is used; if planning raises, or sizes are
+symbolic (dynamic shapes), the graph keeps Inductor's default allocation.  The
+compile never fails because of the planner, and the summary says what happened.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from typing import Any, ClassVar
 
 import loong_compile.planner as planner_package
 from loong_compile import _compat
-from loong_compile.planner import Buffer, Plan, lower_bound, plan, plan_bilevel
+from loong_compile.planner import Buffer
+from loong_compile.planner.pools import PoolPlan, layout_peak, plan_pools
 
 # Inductor aligns pool offsets to 64 bytes (torch/_inductor/utils.py ALIGN_BYTES).
 ALIGNMENT = 64
@@ -71,29 +77,12 @@ def request_buffers(request: _compat.PoolRequest) -> list[Buffer]:
             for b in request.buffers]
 
 
-def plan_buffers(buffers: Sequence[Buffer], *, time_limit: float, bilevel: bool = True,
-                 alignment: int = ALIGNMENT) -> tuple[Plan, list[str]]:
-    """Plan one graph's buffers, falling back to the greedy plan if the planner raises.
-
-    Returns the plan and the fallback notes (empty when nothing went wrong).
-    Errors from the greedy plan itself propagate.
-    """
-    try:
-        if bilevel and any(b.layer is not None for b in buffers):
-            return plan_bilevel(buffers, time_limit=time_limit, alignment=alignment), []
-        return plan(buffers, time_limit=time_limit, alignment=alignment), []
-    except Exception as exc:  # the compile never fails because of the solver
-        return (plan(buffers, time_limit=time_limit, alignment=alignment, method="greedy"),
-                [f"planner raised {type(exc).__name__}: {exc}; using the greedy plan"])
-
-
 class MemoryPlanPass:
-    """Place Inductor's intermediates at offsets from the bi-level MIP (``memory_plan=True``).
+    """Place Inductor's intermediates in pools at offsets from the bi-level MIP (``memory_plan=True``).
 
-    ``bilevel=False`` plans each graph flat (for comparison).  The lead's
-    backend installs it with ``_compat.pool_planning_patches(hook, cache_key)``
-    where ``hook(request)`` calls ``run(request, ctx)`` and returns
-    ``request.offsets``.
+    ``bilevel=False`` plans each pool flat (for comparison).  The backend runs
+    it at stage ``inductor`` through ``_compat.pool_planning_patches``; outside
+    the backend, :func:`inductor_config_patches` does the same for plain Inductor.
     """
 
     name: ClassVar[str] = "memory_plan"
@@ -106,59 +95,61 @@ class MemoryPlanPass:
         return bool(getattr(config, "memory_plan", False))
 
     def run(self, request: _compat.PoolRequest, ctx: Any) -> dict[str, Any]:
-        time_limit = float(getattr(ctx.config, "solver_time_limit", 10.0))
         buffers = request_buffers(request)
-        summary: dict[str, Any] = {
-            "graph": request.graph_name, "device": request.device, "matched": len(buffers),
-            "changed": 0, **inductor_baselines(request, buffers),
-        }
-        try:
-            result, fallback = plan_buffers(buffers, time_limit=time_limit, bilevel=self.bilevel)
-        except Exception as exc:  # even greedy failed: Inductor's own pool plan stays
-            request.offsets = None
-            summary.update(status="inductor_fallback",
-                           notes=[f"planner raised {type(exc).__name__}: {exc}; using "
-                                  "Inductor's own pool plan"])
+        summary: dict[str, Any] = {"graph": request.graph_name, "device": request.device,
+                                   "matched": len(buffers), "changed": 0}
+        request.placement = None   # Inductor's default allocation unless a layout is found
+        if request.dynamic:
+            summary.update(status="inductor_fallback", reason=(
+                f"{request.dynamic}: static offsets need concrete sizes, so the graph keeps "
+                "Inductor's own allocation"))
             return summary
-        request.offsets = list(result.offsets)
-        ctx.state.setdefault(self.name, []).append(result)  # for inspect's drawing
-        summary.update(
-            changed=len(buffers), arena_bytes=result.arena, lower_bound_bytes=result.lower_bound,
-            ratio=round(result.ratio, 6), peak_bytes=planned_peak(result.arena, buffers, request),
-            layers=len({b.layer for b in buffers if b.layer is not None}),
-            status=result.status if not fallback else "solver_failed", method=result.method,
-            solve_time_s=round(result.solve_time, 3), notes=list(fallback) + list(result.notes))
+        if not buffers:
+            summary.update(status="nothing_to_plan",
+                           reason="no intermediate buffers: Inductor's own allocation")
+            return summary
+        time_limit = float(getattr(ctx.config, "solver_time_limit", 10.0))
+        try:
+            layout = plan_pools(buffers, request.background, time_limit=time_limit,
+                                alignment=ALIGNMENT, bilevel=self.bilevel)
+        except Exception as exc:  # the compile never fails because of the planner
+            summary.update(status="inductor_fallback", reason=(
+                f"planner raised {type(exc).__name__}: {exc}; the graph keeps Inductor's "
+                "own allocation"))
+            return summary
+        request.placement = layout.placement()
+        ctx.state.setdefault(self.name, []).append(layout)  # for inspect's drawing
+        summary.update(layout_summary(layout, request))
         return summary
 
 
-def _triples(triples: Sequence[tuple[int, int, int]]) -> list[Buffer]:
-    return [Buffer(size, start, end) for size, start, end in triples]
-
-
-def planned_peak(arena: int, buffers: Sequence[Buffer], request: _compat.PoolRequest) -> int:
-    """The most bytes held at once with our pool: the arena, from the first intermediate's
-    allocation to the last one's free, plus the outputs live at that step."""
-    if not buffers:
-        return lower_bound(_triples(request.outputs))
-    pool = Buffer(arena, min(b.start for b in buffers), max(b.end for b in buffers))
-    return lower_bound([pool] + _triples(request.outputs))
-
-
-def inductor_baselines(request: _compat.PoolRequest, buffers: Sequence[Buffer]) -> dict[str, int]:
-    """What Inductor would need without our plan, in bytes.
-
-    ``inductor_pool_bytes``: its own pools minus the outputs' storage (what its
-    heuristic adds for the intermediates); ``inductor_pool_peak_bytes``: the
-    most bytes its pools hold at once; ``live_peak_bytes``: the most bytes of
-    intermediates and outputs live at once (what allocating each buffer on its
-    own, Inductor's default for training graphs, needs at best).
-    """
-    outputs = _triples(request.outputs)
-    pools = _triples(request.inductor_pools)
+def layout_summary(layout: PoolPlan, request: _compat.PoolRequest) -> dict[str, Any]:
+    """The report's numbers: the whole-graph arena against the lower bound and Inductor's
+    own pools, then the layout used and the peaks (bytes held at once, background included)."""
+    whole = layout.whole
+    outputs = sum(size for size, _, _ in request.outputs)
+    background_without_outputs = [
+        bytes_ - sum(size for size, start, end in request.outputs if start <= t < end)
+        for t, bytes_ in enumerate(request.background)]
+    status = whole.status
+    if any(note.startswith("planner raised") for note in layout.notes):
+        status = "solver_failed"
     return {
-        "inductor_pool_bytes": sum(b.size for b in pools) - sum(b.size for b in outputs),
-        "inductor_pool_peak_bytes": lower_bound(pools),
-        "live_peak_bytes": lower_bound(list(buffers) + outputs),
+        "changed": sum(len(m) for m in layout.members),
+        "lower_bound_bytes": whole.lower_bound,
+        "arena_bytes": whole.arena,
+        "ratio": round(whole.ratio, 6),
+        "inductor_pool_bytes": sum(size for size, _, _ in request.inductor_pools) - outputs,
+        "status": status, "method": whole.method, "solve_time_s": round(layout.solve_time, 3),
+        "layers": len({b.layer for b in whole.buffers if b.layer is not None}),
+        "pools": len(layout.pools), "pool_bytes": [p.arena for p in layout.pools],
+        "own_allocations": len(layout.alone),
+        "peak_bytes": layout.peak,
+        "alone_peak_bytes": layout.bound,
+        "single_pool_peak_bytes": layout.single_pool_peak,
+        "inductor_pool_peak_bytes": layout_peak(background_without_outputs,
+                                                request.inductor_pools, []),
+        "notes": list(layout.notes) + list(whole.notes),
     }
 
 
@@ -174,15 +165,17 @@ def inductor_config_patches(time_limit: float = 10.0, bilevel: bool = True,
     ctx = types.SimpleNamespace(config=types.SimpleNamespace(solver_time_limit=time_limit),
                                 state={})
 
-    def hook(request: _compat.PoolRequest) -> list[int] | None:
+    def hook(request: _compat.PoolRequest) -> None:
         summary = memory_pass.run(request, ctx)
         if on_summary is not None:
             on_summary(summary)
-        return request.offsets
 
-    # The generated code depends on the planner's sources and options.
     key = hashlib.sha256(f"{time_limit},{bilevel}".encode())
-    for path in sorted(Path(planner_package.__file__).parent.glob("*.py")):
+    for path in planner_sources() + [Path(__file__)]:
         key.update(path.read_bytes())
-    key.update(Path(__file__).read_bytes())
     return _compat.pool_planning_patches(hook, key.hexdigest())
+
+
+def planner_sources() -> list[Path]:
+    """The planner's source files: the generated code depends on them (cache keys)."""
+    return sorted(Path(planner_package.__file__).parent.glob("*.py"))

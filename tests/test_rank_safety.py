@@ -77,7 +77,33 @@ def scenarios(rank: int, world: int) -> dict[str, tuple[str, bool]]:
     out["world_ok"] = _still_in_step()
     # and after all that, a good compile on the same ranks still runs
     out["good"] = tuple(_compile_and_run({"hp": 2, "cp": 2}, x).shape)
+    out["dynamic"] = _dynamic_lengths(mesh)
     return out
+
+
+def _dynamic_lengths(mesh) -> list[tuple[int, float, float]]:
+    """mark_dynamic on the sequence: one graph for every length, each exact vs one process."""
+    from llama import Llama, LlamaConfig
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    reports = []
+    backend = lc.LoongBackend({"hp": 2, "cp": 2, "lowering": "aot_eager"}, on_report=reports.append)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    results = []
+    for seq in (16, 32, 48):
+        ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(seq))
+        shard = lc.shard_batch(ids, ids, mesh)
+        torch._dynamo.mark_dynamic(shard.input_ids, 1)
+        torch._dynamo.mark_dynamic(shard.position_ids, 1)
+        logits = compiled(shard.input_ids, position_ids=shard.position_ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), shard.labels.flatten(), ignore_index=-100,
+                               reduction="sum") / (2 * (seq - 1))
+        dist.all_reduce(loss)
+        ref = F.cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        results.append((len({id(r) for r in reports}), loss.item(), ref.item()))
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +139,11 @@ def test_ranks_stay_in_step_and_recover(results):
     for out in results:
         assert all(out[k] is True for k in out if k.endswith("_ok"))
         assert out["good"] == (2, 2, 4, 8)
+
+
+@pytest.mark.slow
+def test_mark_dynamic_sequence_compiles_once_and_stays_exact(results):
+    for out in results:
+        for graphs, loss, ref in out["dynamic"]:
+            assert graphs == 1  # no recompile for a new length
+            assert abs(loss - ref) <= 1e-5 * abs(ref), (loss, ref)

@@ -1,0 +1,199 @@
+"""MEMO's alpha: the fraction of each "other" skeletal activation's tokens to swap to host.
+
+MEMO (§4.1, eqs. 1-3), per transformer layer::
+
+    max  alpha
+    s.t. (S_input + S_attn + alpha * S_others) / B <= T_layer          (the copy hides behind compute)
+         (n - 2) * (S_input + S_attn + alpha * S_others) <= M_CPU      (host memory holds it)
+         0 <= alpha <= 1
+
+``n - 2``: the last two layers start their backward right after their forward and are not
+swapped; here that count is ``resident_layers`` (default 2).  The LP is solved with pyomo +
+HiGHS, the planner's solver stack.  ``B``, ``T_layer`` and ``M_CPU`` come from options or are
+measured here (``measure_*``); every rank then takes the minimum over ranks
+(``agree_min``) so all ranks build the same graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+# Share of the available host memory the offloaded activations may take: the rest is
+# for the optimizer, data loading and everything else the host runs.
+HOST_MEMORY_MARGIN = 0.8
+_TOL = 1e-9
+
+
+@dataclasses.dataclass(frozen=True)
+class AlphaInputs:
+    """The LP's inputs.  Bytes are per transformer layer (one rank's share)."""
+
+    s_input: int
+    s_attention: int
+    s_others: int
+    layers: int                 # n
+    resident_layers: int        # layers never swapped (MEMO: 2)
+    bandwidth: float            # B, bytes/s
+    layer_time: float           # T_layer, seconds
+    host_memory: float          # M_CPU, bytes
+
+    @property
+    def swapped_layers(self) -> int:
+        return max(self.layers - self.resident_layers, 0)
+
+    def transfer_bytes(self, alpha: float) -> float:
+        """Bytes one swapped layer sends to the host at ``alpha``."""
+        return self.s_input + self.s_attention + alpha * self.s_others
+
+
+@dataclasses.dataclass(frozen=True)
+class AlphaDecision:
+    """The chosen alpha, how it was chosen and what it costs."""
+
+    alpha: float
+    feasible: bool              # both budgets hold at ``alpha``
+    binding: str                # the constraint that limits alpha (or why there is none)
+    transfer_seconds: float     # per swapped layer, at alpha
+    host_bytes: float           # all swapped layers, at alpha
+    message: str
+    solve_seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _budgets(inputs: AlphaInputs, alpha: float) -> tuple[float, float]:
+    """(copy time, host bytes) at ``alpha``."""
+    per_layer = inputs.transfer_bytes(alpha)
+    return per_layer / inputs.bandwidth, inputs.swapped_layers * per_layer
+
+
+def evaluate_alpha(inputs: AlphaInputs, alpha: float, how: str = "forced by the alpha option") -> AlphaDecision:
+    """The decision record for a given ``alpha`` (a forced one): which budgets it keeps."""
+    seconds, host = _budgets(inputs, alpha)
+    over = [name for name, ok in (("bandwidth", seconds <= inputs.layer_time * (1 + 1e-9)),
+                                  ("host_memory", host <= inputs.host_memory * (1 + 1e-9))) if not ok]
+    message = (f"alpha={alpha:g} {how}; " + ("both budgets hold" if not over else
+               f"exceeds the {' and '.join(over)} budget: copies may stall compute or fill host memory"))
+    return AlphaDecision(alpha, not over, how, seconds, host, message)
+
+
+def solve_alpha(inputs: AlphaInputs, time_limit: float = 10.0) -> AlphaDecision:
+    """Solve MEMO's LP.  Infeasible even at alpha=0 -> ``feasible=False`` and alpha=0 with a
+    message naming the budget that swapping inputs and attention outputs alone exceeds (the
+    caller then degrades to full recompute without offload)."""
+    if inputs.swapped_layers == 0:
+        return AlphaDecision(1.0, True, "no layer is swapped", 0.0, 0.0,
+                             f"all {inputs.layers} layers are resident (resident_layers="
+                             f"{inputs.resident_layers}): nothing goes to the host")
+    import pyomo.environ as pyo
+
+    start = time.perf_counter()
+    # Scale bytes to O(1) so HiGHS sees well-conditioned coefficients.
+    scale = float(max(inputs.s_input + inputs.s_attention + inputs.s_others, 1))
+    fixed = (inputs.s_input + inputs.s_attention) / scale
+    others = inputs.s_others / scale
+    m = pyo.ConcreteModel()
+    m.alpha = pyo.Var(bounds=(0.0, 1.0))
+    m.objective = pyo.Objective(expr=m.alpha, sense=pyo.maximize)
+    m.bandwidth = pyo.Constraint(expr=fixed + others * m.alpha <= inputs.bandwidth * inputs.layer_time / scale)
+    m.host_memory = pyo.Constraint(
+        expr=inputs.swapped_layers * (fixed + others * m.alpha) <= inputs.host_memory / scale)
+    solver = pyo.SolverFactory("highs")
+    solver.config.time_limit = time_limit
+    result = solver.solve(m, load_solutions=False)
+    seconds = time.perf_counter() - start
+    if result.solver.termination_condition != pyo.TerminationCondition.optimal:
+        base_time, base_host = _budgets(inputs, 0.0)
+        over = []
+        if base_time > inputs.layer_time:
+            over.append(f"bandwidth budget (copy {base_time:.3g} s > layer time {inputs.layer_time:.3g} s)")
+        if base_host > inputs.host_memory:
+            over.append(f"host memory budget ({base_host:.4g} B > {inputs.host_memory:.4g} B)")
+        reason = " and the ".join(over) or str(result.solver.termination_condition)
+        return AlphaDecision(0.0, False, "infeasible", base_time, base_host,
+                             "swapping layer inputs and attention outputs alone already exceeds the "
+                             f"{reason}; the policy degrades to full recompute without offload",
+                             seconds)
+    m.solutions.load_from(result)
+    alpha = min(max(float(pyo.value(m.alpha)), 0.0), 1.0)
+    copy_seconds, host = _budgets(inputs, alpha)
+    slack = {"bandwidth": 1 - copy_seconds / inputs.layer_time,
+             "host_memory": 1 - host / inputs.host_memory if inputs.host_memory > 0 else 0.0}
+    tight = min(slack, key=slack.get)
+    binding = tight if slack[tight] <= 1e-6 or alpha < 1 - _TOL else "alpha <= 1"
+    return AlphaDecision(alpha, True, binding, copy_seconds, host,
+                         f"alpha={alpha:.4g} from MEMO's LP; limited by {binding}", seconds)
+
+
+# -- measurements ----------------------------------------------------------------------
+
+@functools.cache
+def measure_host_bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float:
+    """Device -> host copy bandwidth (bytes/s), best of a few copies (pinned host on CUDA)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    best = math.inf
+    for _ in range(4):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+@functools.cache
+def measure_matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a square matmul in ``dtype`` on ``device`` (the rate a layer's GEMMs reach)."""
+    n = 2048 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    best = math.inf
+    for _ in range(4):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ a
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def available_host_memory(local_ranks: int | None = None) -> float:
+    """This rank's share of the host memory available now, with a margin."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return available * HOST_MEMORY_MARGIN / max(ranks, 1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def agree_min(values: Sequence[float]) -> list[float]:
+    """The element-wise minimum over all ranks (identity in a single process), so that
+    every rank solves the same LP and builds the same graph."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [float(v) for v in values]
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.tolist()

@@ -1,0 +1,179 @@
+"""Offload and prefetch (MEMO §4.1): the saved values of every swapped layer go to host memory
+in the forward and come back in the backward.
+
+Stage ``split``, policy ``memo``; runs after ``activations`` and ``recompute``.
+
+Matches: the saved values of the swapped layers (all but the last ``resident_layers``): layer
+inputs, attention outputs (out, lse) and what ``recompute`` left of the "other" tensors (their
+``[0, a)`` token prefixes, or whole tensors it could not recompute).  Views saved of one
+storage are rebased so the storage travels once.
+
+Emits, with the ops of ``loong_compile.ops.offload``:
+
+- forward: ``h = loong.offload(x)`` right after ``x``'s last forward use, and
+  ``loong.wait_tensor(h, keepalive=x)`` before the forward of layer ``i + 2`` (MEMO: the copy of
+  layer ``i`` overlaps layer ``i + 1``); the wait's result (the host tensor) is what is saved.
+  ``keepalive`` keeps ``x`` alive until its copy has finished, so no memory an in-flight copy
+  reads is reused; nothing is freed by the op itself.
+- backward: ``y = loong.reload(h, device)`` where the backward of layer ``i + 1`` starts (the
+  prefetch overlaps it), ``loong.wait_tensor(y, keepalive=h)`` right before the first use.
+
+Nodes holding a swapped layer's skeletal tensors (forward) and their reloads (backward) carry
+``meta["loong_rounding_buffer"] = layer % 2``: MEMO's two rounding buffers, for a memory plan
+to place.  Summary, per layer: bytes kept on device, offloaded to host, and recomputed (from
+``recompute``), with totals.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+from loong_compile.ops.offload import OFFLOAD, RELOAD, WAIT
+from loong_compile.passes.activations import (
+    CATEGORIES, ActivationPlan, SavedValues, base_of, first_in_order, insert_call, is_view,
+    last_in_order, layer_name, nbytes,
+)
+from loong_compile.passes.base import PassContext, SplitGraphs
+
+Node = torch.fx.Node
+ROUNDING_BUFFER = "loong_rounding_buffer"   # meta key: 0 (even layers) or 1 (odd layers)
+
+
+def forward_uses(node: Node) -> list[Node]:
+    """Forward nodes that read ``node``'s storage: its users, through views."""
+    uses, stack = [], [node]
+    while stack:
+        for user in stack.pop().users:
+            if user.op == "output":
+                continue
+            uses.append(user)
+            if is_view(user):
+                stack.append(user)
+    return uses
+
+
+class OffloadPass:
+    name, stage = "offload", "split"
+
+    def enabled(self, config: Any) -> bool:
+        return config.activations == "memo"
+
+    def run(self, split: SplitGraphs, ctx: PassContext) -> dict[str, Any]:
+        plan: ActivationPlan | None = ctx.state.get("activations")
+        if plan is None or not plan.layers.names:
+            return {"matched": 0, "skipped": "no activation plan (the activations pass did not run or found no layer)"}
+        saved = SavedValues(split, keep=plan.prefixes)
+        units = self._units(plan, saved) if plan.offload else {}
+        for unit in units:
+            if unit not in plan.prefixes:
+                saved.rebase(unit)
+        bw_starts = self._backward_starts(plan, saved.bw)
+        fw_starts = self._forward_starts(plan, saved.fw)
+        for unit, layer in units.items():
+            ph = saved.placeholder(unit)
+            # MEMO's rounding buffers: layer i's skeletal tensors (as produced in the forward,
+            # as reloaded in the backward) belong to staging buffer i % 2; a memory plan can
+            # give them static offsets there.
+            unit.meta[ROUNDING_BUFFER] = layer % 2
+            self._offload(saved, unit, fw_starts.get(layer + 2))
+            if ph.users:
+                self._reload(saved.bw, ph, unit.meta["val"].device, bw_starts.get(layer + 1)
+                             ).meta[ROUNDING_BUFFER] = layer % 2
+        split.forward.graph.lint()
+        split.backward.graph.lint()
+        summary = self._summary(plan, saved, ctx.state.get("recompute", {}))
+        summary["matched"] = len(units)
+        if not plan.offload and plan.decision is not None:
+            summary["skipped"] = plan.decision.message
+        return summary
+
+    @staticmethod
+    def _units(plan: ActivationPlan, saved: SavedValues) -> dict[Node, int]:
+        """What travels, and its layer: a base storage, or a token prefix as it is."""
+        units: dict[Node, int] = {}
+        swapped = set(plan.swapped)
+        for node, _ in saved:
+            unit = node if node in plan.prefixes else base_of(node)
+            layer, category = plan.category(unit)
+            if layer in swapped and category in CATEGORIES:
+                units.setdefault(unit, layer)
+        return units
+
+    @staticmethod
+    def _forward_starts(plan: ActivationPlan, fw: torch.fx.Graph) -> dict[int, Node]:
+        starts: dict[int, Node] = {}
+        for node in fw.nodes:
+            layer = plan.layers.layer_of(node)
+            if layer is not None and layer not in starts:
+                starts[layer] = node
+        return starts
+
+    @staticmethod
+    def _backward_starts(plan: ActivationPlan, bw: torch.fx.Graph) -> dict[int, Node]:
+        """The first backward node of each layer: by autograd's seq_nr (gradient nodes) or by
+        nn_module_stack (forward nodes recomputed there)."""
+        names = {name: i for i, name in enumerate(plan.layers.names)}
+        starts: dict[int, Node] = {}
+        for node in bw.nodes:
+            if node.op != "call_function":
+                continue
+            layer = names.get(layer_name(node)) if node.meta.get("nn_module_stack") else None
+            if layer is None:
+                layer = plan.seq_layer.get(node.meta.get("seq_nr"))
+            if layer is not None and layer not in starts:
+                starts[layer] = node
+        return starts
+
+    @staticmethod
+    def _offload(saved: SavedValues, unit: Node, next_next_layer: Node | None) -> None:
+        fw = saved.fw
+        uses = forward_uses(unit)
+        last = last_in_order(fw, uses) if uses else unit
+        with fw.inserting_before(last.next):
+            host = insert_call(fw, OFFLOAD, (unit,), name=f"offload_{unit.name}")
+        order = {n: k for k, n in enumerate(fw.nodes)}
+        anchor = next_next_layer if next_next_layer is not None and order[next_next_layer] > order[host] \
+            else saved.output
+        with fw.inserting_before(anchor):
+            waited = insert_call(fw, WAIT, (host, unit), name=f"wait_{host.name}")
+        saved.replace(unit, waited)
+
+    @staticmethod
+    def _reload(bw: torch.fx.Graph, ph: Node, device: torch.device, layer_above: Node | None) -> Node:
+        users = list(ph.users)
+        first = first_in_order(bw, users)
+        order = {n: k for k, n in enumerate(bw.nodes)}
+        start = layer_above if layer_above is not None and order[layer_above] < order[first] else first
+        with bw.inserting_before(start):
+            back = insert_call(bw, RELOAD, (ph, device), name=f"reload_{ph.name}")
+        with bw.inserting_before(first):
+            ready = insert_call(bw, WAIT, (back, ph), name=f"wait_{back.name}")
+        for user in users:
+            user.replace_input_with(ph, ready)
+        return back
+
+    @staticmethod
+    def _summary(plan: ActivationPlan, saved: SavedValues, recompute: dict[str, dict]) -> dict[str, Any]:
+        device: dict[int | None, dict[Node, int]] = {}     # layer -> {storage: bytes}
+        host: dict[int | None, int] = {}
+        for node, _ in saved:
+            if node.target is WAIT:                          # a host copy: its own bytes
+                unit = node.args[1]
+                layer = plan.category(unit if unit in plan.prefixes else base_of(unit))[0]
+                host[layer] = host.get(layer, 0) + nbytes(node)
+                continue
+            layer, category = plan.category(base_of(node))
+            if category != "graph_input":                    # parameters and inputs are the caller's
+                device.setdefault(layer, {})[base_of(node)] = nbytes(base_of(node))
+        rows = [{"layer": name, "device_bytes": sum(device.get(i, {}).values()),
+                 "offloaded_bytes": host.get(i, 0),
+                 "recomputed_bytes": recompute.get(name, {}).get("recomputed_bytes", 0),
+                 "swapped": i in plan.swapped} for i, name in enumerate(plan.layers.names)]
+        outside = sum(device.get(None, {}).values())
+        return {"alpha": plan.alpha, "layers": rows, "outside_device_bytes": outside,
+                "device_bytes": sum(r["device_bytes"] for r in rows) + outside,
+                "host_bytes": sum(r["offloaded_bytes"] for r in rows),
+                "recomputed_bytes": sum(r["recomputed_bytes"] for r in rows)}
