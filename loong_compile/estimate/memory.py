@@ -141,12 +141,19 @@ LAYER_TENSORS = (
 SC_PP_SAVED = ("layer_input", "attention_output", "softmax_lse")   # LoongTrain 5.2
 
 
+# PyTorch's min-cut partition (what the backend runs) recomputes these in the backward from
+# values it saves anyway, instead of storing them: SiLU(gate) is one pointwise op on the saved
+# gate.  The exact count follows the compiler; eq. 12 (paper terms) still counts them.
+PARTITIONER_RECOMPUTES = ("silu_gate",)
+
+
 def counted_tensors(policy: str, exact: bool) -> tuple[LayerTensor, ...]:
     """The layer tensors a policy accounts for: eq. 12's, plus the lse under sc++ / memo (their
-    sources count it), plus every other tensor when ``exact``."""
+    sources count it), plus, when ``exact``, every other tensor the compiled graph saves."""
     keep_lse = exact or policy in ("sc++", "memo")
     return tuple(x for x in LAYER_TENSORS
-                 if x.paper or exact or (keep_lse and x.name == "softmax_lse"))
+                 if (x.paper or exact or (keep_lse and x.name == "softmax_lse"))
+                 and not (exact and x.name in PARTITIONER_RECOMPUTES))
 
 
 def stored_tensors(policy: str, exact: bool) -> tuple[LayerTensor, ...]:
