@@ -1,4 +1,4 @@
-"""Memory planner benchmarks: arena vs lower bound, and solve times.
+"""Memory planner benchmarks: arena vs lower bound, solve times, and peak memory.
 
     python benchmarks/memory_plan.py --minimalloc [--time-limit 60] [--only A,B]
     python benchmarks/memory_plan.py --llama [--layers 4,8,16,32] [--time-limit 30]
@@ -10,16 +10,18 @@ minimalloc``), each planned flat with ``--time-limit`` seconds; prints arena /
 lower bound, the proven bound and the time.
 
 ``--llama``: the example Llama (examples/llama.py), ``--hf-llama``: a randomly
-initialised Hugging Face ``LlamaForCausalLM``, compiled by plain Inductor for
-one training step; the buffers of its forward and backward graphs are
-captured through the pool-planning hook (Inductor keeps its own plan) and
-planned four ways by :func:`compare_plans`: Inductor's own pool heuristic,
-our greedy, the flat planner, the bi-level planner, each flat/bi-level one
-with the same time limit.  ``--synthetic`` does the same on
-``planner.generate.layered_instance`` (no compile).
-
-:func:`compare_plans` takes any list of ``planner.Buffer`` with layer keys:
-the loong backend's graphs can be fed to it directly.
+initialised Hugging Face ``LlamaForCausalLM``, one training step compiled by
+Inductor twice: as is (its default allocation; the buffers of the forward and
+backward graphs are captured through the pool-planning hook, which declines)
+and with the memory-plan pass (``inductor_config_patches``).  Per graph it
+prints the DSA comparison of :func:`compare_plans` (Inductor's own pool
+heuristic, greedy, flat MIP, bi-level, same time limit), the layout the pass
+chose (pools, buffers on their own, time), the peaks it predicts (bytes held
+at once: every buffer on its own = the bound, our layout, one pool for the
+whole graph, Inductor's own pools) and the peaks measured with the CPU
+allocator's profiler events during the forward call and during
+``loss.backward()``, with and without the plan.  ``--synthetic`` runs
+:func:`compare_plans` on ``planner.generate.layered_instance`` (no compile).
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MINIMALLOC_DIR = ROOT.parent / "shared" / "benchmarks" / "minimalloc"
 
 from loong_compile.planner import Buffer, plan, plan_bilevel  # noqa: E402
-
 
 def load_minimalloc(path: Path) -> list[Buffer]:
     """A MiniMalloc CSV (``id,lower,upper,size``; live on ``[lower, upper)``) as buffers."""
@@ -67,25 +68,32 @@ def run_minimalloc(time_limit: float, only: set[str] | None, method: str) -> lis
 
 def compare_plans(buffers: list[Buffer], time_limit: float, alignment: int = 64,
                   inductor_pool_bytes: int | None = None) -> dict:
-    """One graph's buffers (with ``Buffer.layer`` keys) planned four ways.
+    """One graph's buffers (with ``Buffer.layer`` keys) planned several ways.
 
-    Returns the lower bound and, per planner, the arena (bytes and x lower
-    bound) and the solve time: ``inductor`` (its own pool heuristic, when the
-    caller measured it), ``greedy``, ``flat`` (greedy + search + MIP, one
-    instance) and ``bilevel``; flat and bi-level get the same time limit.
+    Returns the lower bound and, per planner, the arena as a multiple of it
+    and the solve time: ``inductor`` (its own pool heuristic, when the caller
+    measured it), ``by_size`` (best fit in decreasing size, one order: the
+    classic greedy), ``greedy`` (our greedy: several orders, best kept),
+    ``mip`` (greedy then the flat MIP) and ``bilevel``; the MIP and the
+    bi-level planner get the same time limit.
     """
-    row: dict = {"buffers": len(buffers),
-                 "layers": len({b.layer for b in buffers if b.layer is not None})}
+    from loong_compile.planner.greedy import place_in_order
+    from loong_compile.planner.problem import Instance
+
+    inst = Instance(buffers, alignment)
+    by_size = place_in_order(inst, sorted(range(inst.n), key=lambda k: -inst.sizes[k]))
     plans = {
         "greedy": plan(buffers, alignment=alignment, method="greedy"),
-        "flat": plan(buffers, alignment=alignment, time_limit=time_limit),
+        "mip": plan(buffers, alignment=alignment, time_limit=time_limit, method="mip"),
         "bilevel": plan_bilevel(buffers, alignment=alignment, time_limit=time_limit),
     }
     lb = plans["greedy"].lower_bound
-    row["lower_bound"] = lb
+    row: dict = {"buffers": len(buffers),
+                 "layers": len({b.layer for b in buffers if b.layer is not None}),
+                 "lower_bound": lb}
     if inductor_pool_bytes is not None:
         row["inductor"] = round(inductor_pool_bytes / lb, 4) if lb else 1.0
-    row["bilevel_bytes"] = plans["bilevel"].arena
+    row["by_size"] = round(inst.arena(by_size) * inst.unit / lb, 4) if lb else 1.0
     for name, p in plans.items():
         row[name] = round(p.ratio, 4)
         row[f"{name}_s"] = round(p.solve_time, 2)
@@ -93,66 +101,93 @@ def compare_plans(buffers: list[Buffer], time_limit: float, alignment: int = 64,
     return row
 
 
-def capture_graphs(model, ids) -> list:
-    """Compile one training step of ``model`` on ``ids``; return its graphs' PoolRequests."""
+def make_model(kind: str, n_layers: int, dim: int, ffn: int, heads: int, kv_heads: int):
+    """The example Llama (``llama``) or a randomly initialised Hugging Face Llama (``hf``)."""
     import torch
 
-    from loong_compile import _compat
-
-    captured = []
-
-    def capture(request):
-        captured.append(request)
-        return None  # Inductor keeps its own plan
-
-    options = {**_compat.pool_planning_patches(capture, f"capture-{time.time()}"),
-               "fx_graph_cache": False}
-    compiled = torch.compile(model, backend="inductor", options=options, fullgraph=True)
-    logits = compiled(ids)
-    logits = getattr(logits, "logits", logits)
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
-    return captured
-
-
-def make_model(kind: str, n_layers: int, dim: int, ffn: int):
-    """The example Llama (``llama``) or a randomly initialised Hugging Face Llama (``hf``)."""
+    torch.manual_seed(0)
     if kind == "hf":
         from transformers import LlamaConfig, LlamaForCausalLM
 
         return LlamaForCausalLM(LlamaConfig(
             vocab_size=256, hidden_size=dim, intermediate_size=ffn, num_hidden_layers=n_layers,
-            num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
+            num_attention_heads=heads, num_key_value_heads=kv_heads, attn_implementation="sdpa"))
     sys.path.insert(0, str(ROOT / "examples"))
     from llama import Llama, LlamaConfig
 
-    return Llama(LlamaConfig(dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=ffn))
+    return Llama(LlamaConfig(dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=kv_heads,
+                             ffn_dim=ffn))
+
+
+def training_step_peaks(model, ids, options: dict) -> dict:
+    """Compile ``model`` with Inductor and ``options``; after one step that compiles the
+    forward and backward, measure the allocator's peak above the start of the forward
+    call and of ``loss.backward()`` (bytes)."""
+    import torch
+    import torch.nn.functional as F
+
+    from loong_compile import _compat
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="inductor", options=options, fullgraph=True)
+
+    def forward():
+        out = compiled(ids)
+        return getattr(out, "logits", out)
+
+    t0 = time.monotonic()
+    for step in range(2):
+        if step:
+            logits, forward_peak = _compat.measure_peak_bytes(forward)
+        else:
+            logits = forward()
+        loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        del logits
+        if step:
+            _, backward_peak = _compat.measure_peak_bytes(loss.backward)
+        else:
+            loss.backward()
+            compile_s = time.monotonic() - t0
+        model.zero_grad(set_to_none=True)
+    return {"forward": forward_peak, "backward": backward_peak, "compile_s": compile_s}
 
 
 def run_models(kind: str, layers: list[int], time_limit: float, seq: int, dim: int, ffn: int,
-               batch: int) -> list[dict]:
+               heads: int, kv_heads: int, batch: int) -> list[dict]:
     import torch
 
-    from loong_compile.passes.memory_plan import inductor_baselines, planned_peak, request_buffers
+    from loong_compile import _compat
+    from loong_compile.passes.memory_plan import inductor_config_patches, request_buffers
 
     rows = []
     for n in layers:
-        torch.manual_seed(0)
-        t0 = time.monotonic()
-        ids = torch.randint(0, 256, (batch, seq))
-        requests = capture_graphs(make_model(kind, n, dim, ffn), ids)
-        compile_s = time.monotonic() - t0
-        for request in requests:
-            buffers = request_buffers(request)
-            base = inductor_baselines(request, buffers)
-            row = {"model": f"{kind}-{n}", "graph": request.graph_name,
-                   "compile_s": round(compile_s),
-                   **compare_plans(buffers, time_limit,
-                                   inductor_pool_bytes=base["inductor_pool_bytes"])}
-            # Peak bytes held (intermediates + outputs): allocating each buffer alone at best,
-            # Inductor's pools, our bi-level pool.
-            row.update(live_peak=base["live_peak_bytes"],
-                       inductor_pool_peak=base["inductor_pool_peak_bytes"],
-                       bilevel_peak=planned_peak(row["bilevel_bytes"], buffers, request))
+        ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(0))
+        requests, summaries = {}, {}
+
+        def capture(request):  # declines: Inductor keeps its default allocation
+            requests[request.graph_kind] = request
+
+        plain = training_step_peaks(
+            make_model(kind, n, dim, ffn, heads, kv_heads), ids,
+            {**_compat.pool_planning_patches(capture, f"capture-{time.time()}"),
+             "fx_graph_cache": False})
+        planned = training_step_peaks(
+            make_model(kind, n, dim, ffn, heads, kv_heads), ids,
+            {**inductor_config_patches(time_limit, on_summary=lambda s: summaries.__setitem__(
+                s["graph"].split("_", 1)[1], s)), "fx_graph_cache": False})
+        for graph, request in requests.items():
+            summary = summaries[graph]
+            row = {"model": f"{kind}-{n}", "graph": graph,
+                   **compare_plans(request_buffers(request), time_limit,
+                                   inductor_pool_bytes=summary["inductor_pool_bytes"])}
+            row.update(
+                pools=summary["pools"], own=summary["own_allocations"],
+                layout_s=summary["solve_time_s"],
+                alone_peak=summary["alone_peak_bytes"], peak=summary["peak_bytes"],
+                single_pool_peak=summary["single_pool_peak_bytes"],
+                inductor_pool_peak=summary["inductor_pool_peak_bytes"],
+                measured_default=plain[graph], measured_planned=planned[graph],
+                compile_s=round(plain["compile_s"]))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -181,9 +216,11 @@ def main() -> None:
     parser.add_argument("--only", default="", help="minimalloc instances, e.g. A,E")
     parser.add_argument("--method", default="auto", help="minimalloc: planner method")
     parser.add_argument("--layers", default="4,8,16,32")
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--ffn", type=int, default=344)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--ffn", type=int, default=688)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=1)
     args = parser.parse_args()
     layers = [int(x) for x in args.layers.split(",")]
@@ -192,7 +229,7 @@ def main() -> None:
                        args.method)
     elif args.llama or args.hf_llama:
         run_models("hf" if args.hf_llama else "llama", layers, args.time_limit or 30.0,
-                   args.seq, args.dim, args.ffn, args.batch)
+                   args.seq, args.dim, args.ffn, args.heads, args.kv_heads, args.batch)
     else:
         run_synthetic(layers, args.time_limit or 30.0)
 

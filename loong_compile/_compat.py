@@ -194,10 +194,13 @@ def trace_artifact(name: str, payload: str, encoding: str = "string") -> None:
 #   (each its own pool: a normal allocation, freed with the output) and hands
 #   the intermediates of each device to the planner callback, with the bytes
 #   everything else holds at each step (the "background": outputs, buffers
-#   extern kernels allocate themselves, saved activations the backward frees).
-#   The callback puts each intermediate in one of its pools at an offset, or
-#   on its own (its own pool: a normal allocation), or declines; a decline
-#   gives the whole graph Inductor's default allocation (no pools at all).
+#   extern kernels allocate themselves, saved activations and gradients the
+#   backward frees, or keeps if the caller holds them: two scenarios) and the
+#   steps whose kernels may allocate memory no line shows (fallback kernels
+#   and custom ops: their temporaries).  The callback puts each intermediate
+#   in one of its pools at an offset, or on its own (its own pool: a normal
+#   allocation), or declines; a decline gives the whole graph Inductor's
+#   default allocation (no pools at all).
 
 import functools  # noqa: E402 - this section's imports, kept with it
 
@@ -223,29 +226,37 @@ class PoolBuffer:
 class PoolRequest:
     """What one graph's pool planning hands to the planner callback (per device).
 
-    ``background[t]``: bytes held at step ``t`` (``0 <= t < steps``) by
+    ``backgrounds[s][t]``: bytes held at step ``t`` (``0 <= t < steps``) by
     everything the planner does not place: graph outputs, buffers extern
-    kernels allocate, saved activations until the backward frees them
-    (graph inputs the caller keeps alive are left out: they are the same
-    with any plan).  ``outputs`` and ``inductor_pools`` are ``(bytes, start,
-    end)`` triples: the outputs' own allocations, and the pools Inductor's own
-    heuristic would create (outputs' pools included).  ``dynamic`` names why
+    kernels allocate, and the inputs the graph frees (saved activations,
+    incoming gradients) until it frees them (scenario 0: the usual case,
+    ``loss.backward()``) or to the end (scenario 1, present when the graph
+    frees inputs: the caller keeps them, e.g. ``retain_graph=True`` or
+    gradients the caller holds).  Parameters and the forward's inputs are
+    left out: the caller keeps them, whatever the plan.  ``volatile[t]``: a
+    kernel of step ``t`` may allocate memory the wrapper does not show (a
+    fallback kernel or custom op, whose temporaries nobody can size), so a
+    pool must not hold unused bytes there.  ``outputs`` and
+    ``inductor_pools`` are ``(bytes, start, end)`` triples: the outputs' own
+    allocations, and the pools Inductor's own heuristic would create (outputs'
+    pools included).  ``dynamic`` names why
     the graph cannot be planned statically (symbolic or unbacked sizes), or is
     None.  The callback answers with ``placement``: per buffer ``(pool,
     offset)`` or ``None`` (allocated on its own), or leaves it None to decline.
     """
 
-    __slots__ = ("graph_name", "graph_kind", "device", "buffers", "steps", "background",
-                 "outputs", "inductor_pools", "dynamic", "placement")
+    __slots__ = ("graph_name", "graph_kind", "device", "buffers", "steps", "backgrounds",
+                 "volatile", "outputs", "inductor_pools", "dynamic", "placement")
 
-    def __init__(self, graph_name, graph_kind, device, buffers, steps, background, outputs,
-                 inductor_pools, dynamic=None):
+    def __init__(self, graph_name, graph_kind, device, buffers, steps, backgrounds, volatile,
+                 outputs, inductor_pools, dynamic=None):
         self.graph_name = graph_name            # AOTAutograd's name, e.g. "0_backward"
         self.graph_kind = graph_kind            # "forward", "backward" or "inference"
         self.device = device
         self.buffers = buffers                  # list[PoolBuffer]: the intermediates
         self.steps = steps
-        self.background = background
+        self.backgrounds = backgrounds
+        self.volatile = volatile
         self.outputs = outputs
         self.inductor_pools = inductor_pools
         self.dynamic = dynamic
@@ -308,16 +319,21 @@ def _flat_buffers(outputs) -> list:
     return out
 
 
-def _background_bytes(lines, groups) -> list[int]:
-    """Bytes held at each step (``0 .. last step``) by all but the ``groups``' storage.
+def _background_bytes(lines, groups, caller_keeps_inputs: bool) -> tuple[list[int], list[bool]]:
+    """Bytes held at each step (``0 .. last step``) by all but the ``groups``' storage,
+    and whether a kernel of the step is an extern kernel that allocates its outputs.
 
     Replays the wrapper lines (already converted to pool lines, steps numbered
     as ``MemoryPlanner.compute_live_ranges`` does) tracking which names keep
-    which storage alive: outputs from their allocation on; saved activations
-    (``DonatedBuffer`` inputs) until their last name is deleted; storage that
-    extern kernels allocate themselves (fallback ops, multi-output ops) until
-    their last name, tuple element or alias is deleted.  Each step's value is
+    which storage alive: outputs from their allocation on; the inputs a
+    backward may free (saved activations AOTAutograd donates, incoming
+    gradients ``tangents_*``) until their last name is deleted, or for ever if
+    ``caller_keeps_inputs``; storage that extern kernels allocate themselves
+    (fallback ops, multi-output ops) until their last name, tuple element or
+    alias is deleted.  Each step's value is
     the most held at a kernel of that step (memory peaks while kernels run).
+    Such extern kernels (fallback ops, custom ops) may also allocate temporaries
+    that no line shows: their steps are flagged volatile.
     """
     from torch._inductor import ir
     from torch._inductor.codegen import memory_planning as mp
@@ -353,14 +369,18 @@ def _background_bytes(lines, groups) -> list[int]:
 
     for name, value in V.graph.graph_inputs.items():
         buffer = getattr(getattr(value, "data", None), "data", None)
-        if isinstance(buffer, ir.DonatedBuffer):  # other inputs stay alive in the caller
-            new(name, _storage_bytes(buffer))
-    background = [live]
+        # Other inputs (parameters, the forward's inputs) stay alive in the caller.
+        if isinstance(buffer, ir.DonatedBuffer) or name.startswith("tangents"):
+            sid = new(name, _storage_bytes(buffer))
+            if caller_keeps_inputs:
+                refs[sid] += 1  # the caller's own reference: never released
+    background, volatile = [live], [False]
     in_run = False
     for line in lines:
         if isinstance(line, w.MemoryPlanningLine):
             if not in_run:  # a new step: its value is taken at its kernels
                 background.append(0)
+                volatile.append(False)
                 in_run = True
             if isinstance(line, mp.AllocFromPoolLine) and line.group.names[0] not in planned:
                 new(line.group.names[0], line.group.allocation.size_hint)
@@ -379,6 +399,7 @@ def _background_bytes(lines, groups) -> list[int]:
         if isinstance(line, w.FreeLine):
             drop(line.node.get_name())
         elif isinstance(line, w.ExternKernelAllocLine):
+            volatile[-1] = True
             node = line.node
             if isinstance(node.layout, ir.MultiOutputLayout):
                 for element in _flat_buffers(node.outputs):
@@ -389,7 +410,7 @@ def _background_bytes(lines, groups) -> list[int]:
             hold(line.result_name, [pending.pop(line.result_name)])
         background[-1] = max(background[-1], live)
     background[-1] = max(background[-1], live)
-    return background
+    return background, volatile
 
 
 def _inductor_own_pools(allocations, output_allocations) -> list[tuple[int, int, int]]:
@@ -464,33 +485,57 @@ def _pool_planner_class():
             self.lines = lines  # converted to pool lines: the background replays them
 
         def allocate_groups(self):
-            from torch._inductor.utils import _align
-
             for group in self.buffer_groups:
                 group.make_allocation()
-            outputs = [g for g in self.buffer_groups if g.is_output]
+            outputs = [g.allocation for g in self.buffer_groups if g.is_output]
             # Groups never freed in the graph (live until it returns) are allocated like outputs.
             intermediates = [g for g in self.buffer_groups
                              if not g.is_output and g.live_range.end > g.live_range.begin]
             alone = [g.allocation for g in self.buffer_groups
                      if not g.is_output and g not in intermediates]
-            background = _background_bytes(self.lines, intermediates)
+            placements = []
+            for request, allocations in self.requests(intermediates, outputs):
+                self.planner(request)
+                if request.placement is None:
+                    raise _Declined(request.graph_name)
+                if len(request.placement) != len(allocations):
+                    raise RuntimeError(f"memory planner placed {len(request.placement)} of "
+                                       f"{len(allocations)} buffers")
+                placements.append((allocations, request.placement))
+            for block in sorted(outputs, key=lambda x: (x.size_hint, -len(x.live_range))):
+                self.pools.allocate_output(block)
+            for allocations, placement in placements:
+                alone += self.place(allocations, placement)
+            for block in alone:  # one pool each: a normal allocation
+                block.mark_allocated()
+                self.pools.get_pools(block).append(
+                    mp.AllocationPool(block.device, mp.TemporalSplit([block]), can_expand=False))
+            self.pools.finalize()
+
+        def requests(self, intermediates, outputs):
+            """One ``PoolRequest`` per device (an empty one for a graph without
+            intermediates, so that the planner reports on it), with its allocations."""
+            backgrounds = []
+            for caller_keeps_inputs in (False, True):
+                background, volatile = _background_bytes(self.lines, intermediates,
+                                                         caller_keeps_inputs)
+                if background not in backgrounds:
+                    backgrounds.append(background)
+            every = [g.allocation for g in self.buffer_groups]
+            dynamic = None
+            if not all(isinstance(a.symbolic_size, (int, sympy.Integer)) for a in every):
+                dynamic = "symbolic buffer sizes (dynamic shapes)"
+            elif any(a.get_earliest_available() is not None for a in every):
+                dynamic = "unbacked buffer sizes"
             name, kind = _graph_identity(self.is_inference)
             positions = _graph_positions()
-            placements = []
-            # Every graph gets a request (an empty one if it has no intermediates), so
-            # that the planner can report on it.
-            devices = {g.allocation.device: None for g in intermediates} or {None: None}
+            devices = list({g.allocation.device: None for g in intermediates}) or \
+                [every[0].device if every else None]
             for device in devices:
                 groups = [g for g in intermediates if g.allocation.device == device]
                 allocations = [g.allocation for g in groups]
-                dynamic = None
-                if not all(isinstance(a.symbolic_size, (int, sympy.Integer)) for a in allocations):
-                    dynamic = "symbolic buffer sizes (dynamic shapes)"
-                elif any(a.get_earliest_available() is not None for a in allocations):
-                    dynamic = "unbacked buffer sizes"
-                device_outputs = [g.allocation for g in outputs if g.allocation.device == device]
-                request = PoolRequest(
+                device_outputs = [a for a in outputs if a.device == device]
+                yield PoolRequest(
                     graph_name=name, graph_kind=kind, device=str(device),
                     buffers=[PoolBuffer(list(g.names), int(g.allocation.size_hint),
                                         int(g.live_range.begin), int(g.live_range.end),
@@ -498,42 +543,33 @@ def _pool_planner_class():
                                                 for o in g.node.get_origins()),
                                                key=lambda o: positions.get(o[0], -1)))
                              for g in groups],
-                    steps=len(background), background=background,
+                    steps=len(background), backgrounds=backgrounds, volatile=volatile,
                     outputs=[(int(a.size_hint), int(a.live_range.begin), int(a.live_range.end))
                              for a in device_outputs],
                     inductor_pools=_inductor_own_pools(allocations, device_outputs),
-                    dynamic=dynamic)
-                self.planner(request)
-                if request.placement is None:
-                    raise _Declined(request.graph_name)
-                if len(request.placement) != len(groups):
-                    raise RuntimeError(f"memory planner placed {len(request.placement)} of "
-                                       f"{len(groups)} buffers")
-                placements.append((device, allocations, request.placement))
+                    dynamic=dynamic), allocations
 
-            for block in sorted((g.allocation for g in outputs),
-                                key=lambda x: (x.size_hint, -len(x.live_range))):
-                self.pools.allocate_output(block)
-            for device, allocations, placement in placements:
-                members: dict[int, list] = {}
-                for a, where in zip(allocations, placement):
-                    if where is None:
-                        alone.append(a)
-                    else:
-                        members.setdefault(where[0], []).append((a, where[1]))
-                for pool in members.values():
-                    for a, _ in pool:
-                        a.mark_allocated()
-                    arena = max(off + _align(a.size_hint) for a, off in pool)
-                    root = mp.TemporalSplit([FixedPlacement([a for a, _ in pool],
-                                                            [off for _, off in pool], arena)])
-                    self.pools.device_to_pools.setdefault(device, []).append(
-                        mp.AllocationPool(device, root, can_expand=False))
-            for block in alone:  # one pool each: a normal allocation
-                block.mark_allocated()
-                self.pools.get_pools(block).append(
-                    mp.AllocationPool(block.device, mp.TemporalSplit([block]), can_expand=False))
-            self.pools.finalize()
+        def place(self, allocations, placement) -> list:
+            """One pool per pool index of ``placement``; returns the allocations on their own."""
+            from torch._inductor.utils import _align
+
+            pools: dict[int, list] = {}
+            alone = []
+            for a, where in zip(allocations, placement):
+                if where is None:
+                    alone.append(a)
+                else:
+                    pools.setdefault(where[0], []).append((a, where[1]))
+            for members in pools.values():
+                for a, _ in members:
+                    a.mark_allocated()
+                arena = max(off + _align(a.size_hint) for a, off in members)
+                root = mp.TemporalSplit([FixedPlacement([a for a, _ in members],
+                                                        [off for _, off in members], arena)])
+                device = members[0][0].device
+                self.pools.device_to_pools.setdefault(device, []).append(
+                    mp.AllocationPool(device, root, can_expand=False))
+            return alone
 
     return LoongMemoryPlanner
 

@@ -5,6 +5,7 @@
 ``dump_dir`` set, each stage's graph code and the report are written to
 ``<dump_dir>/rank<r>/graph<g>/``; graphs are also emitted as structured-trace
 artifacts, so ``TORCH_TRACE`` + tlparse show them beside Inductor's own.
+``draw_plan`` pictures a memory plan (``memory_plan=True``) as a PNG.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch.fx
 
 from loong_compile import _compat
+from loong_compile.planner.draw import draw_plan  # noqa: F401 - re-exported
 
 
 @dataclasses.dataclass
@@ -109,7 +111,7 @@ class Dumper:
             report.dump_dir = str(self.dir)
         self._count = 0
 
-    def graph(self, stage: str, graph_kind: str, when: str, graph: torch.fx.Graph | torch.fx.GraphModule) -> None:
+    def graph(self, stage: str, graph_kind: str, when: str, graph: Any) -> None:
         """Record a stage's graph (``when``: "before"/"after" its passes, or "" when none ran):
         a file in dump_dir and a structured-trace artifact."""
         parts = [stage] + ([graph_kind] if graph_kind != stage else []) + ([when] if when else [])
@@ -128,10 +130,12 @@ class Dumper:
             (self.dir / "report.md").write_text(self.report.to_markdown())
 
 
-def _readable(graph: torch.fx.Graph | torch.fx.GraphModule) -> str:
+def _readable(graph: Any) -> str:
     if isinstance(graph, torch.fx.GraphModule):
         return graph.print_readable(print_output=False, include_stride=True, include_device=True)
-    return str(graph.python_code(root_module="self", verbose=True).src)
+    if isinstance(graph, torch.fx.Graph):
+        return str(graph.python_code(root_module="self", verbose=True).src)
+    return str(graph)  # stages whose "graph" is not fx (inductor: a PoolRequest)
 
 
 def _jsonable(value: Any) -> Any:

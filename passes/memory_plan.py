@@ -6,7 +6,8 @@ graph (forward, backward, inference) and device, through the hook in
 ``run`` is a ``_compat.PoolRequest``: the graph's intermediate buffer groups
 with sizes, half-open live ranges in Inductor's planning steps and their
 origin nodes' ``nn_module_stack`` paths, plus the bytes everything else holds
-at each step (the background: outputs, saved activations, extern buffers).
+at each step (the background: outputs, saved activations, extern buffers)
+and the steps where kernels may allocate memory nobody can see.
 
 Matches: every intermediate buffer group (graph inputs and outputs keep their
 normal allocation).  Emits: ``request.placement``, per buffer a pool and an
@@ -110,8 +111,8 @@ class MemoryPlanPass:
             return summary
         time_limit = float(getattr(ctx.config, "solver_time_limit", 10.0))
         try:
-            layout = plan_pools(buffers, request.background, time_limit=time_limit,
-                                alignment=ALIGNMENT, bilevel=self.bilevel)
+            layout = plan_pools(buffers, request.backgrounds, request.volatile,
+                                time_limit=time_limit, alignment=ALIGNMENT, bilevel=self.bilevel)
         except Exception as exc:  # the compile never fails because of the planner
             summary.update(status="inductor_fallback", reason=(
                 f"planner raised {type(exc).__name__}: {exc}; the graph keeps Inductor's "
@@ -130,7 +131,7 @@ def layout_summary(layout: PoolPlan, request: _compat.PoolRequest) -> dict[str, 
     outputs = sum(size for size, _, _ in request.outputs)
     background_without_outputs = [
         bytes_ - sum(size for size, start, end in request.outputs if start <= t < end)
-        for t, bytes_ in enumerate(request.background)]
+        for t, bytes_ in enumerate(request.backgrounds[0])]
     status = whole.status
     if any(note.startswith("planner raised") for note in layout.notes):
         status = "solver_failed"

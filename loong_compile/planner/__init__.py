@@ -2,18 +2,21 @@
 
 ``plan(buffers)`` gives every buffer a byte offset (greedy, canonical tree
 search, then the MIP in pyomo + HiGHS); ``plan_bilevel(buffers)`` does it per
-transformer layer first and then with layers as blocks.  Every plan returned
-has passed ``verify``.  ``draw_plan`` pictures one.
+transformer layer first and then with layers as blocks; ``plan_pools(buffers,
+backgrounds)`` splits a graph's buffers into pools over time so that the
+graph's peak memory never rises above allocating each buffer on its own.
+Every plan returned has passed ``verify``.  ``draw_plan`` pictures one.
 """
 
 from loong_compile.planner.bilevel import BilevelPlan, plan_bilevel
 from loong_compile.planner.draw import draw_plan
+from loong_compile.planner.pools import PoolPlan, plan_pools
 from loong_compile.planner.problem import (
     Buffer, LoongPlanError, LoongPlanOverlapError, Plan, lower_bound, verify,
 )
 from loong_compile.planner.solve import plan
 
 __all__ = [
-    "BilevelPlan", "Buffer", "LoongPlanError", "LoongPlanOverlapError", "Plan", "draw_plan",
-    "lower_bound", "plan", "plan_bilevel", "verify",
+    "BilevelPlan", "Buffer", "LoongPlanError", "LoongPlanOverlapError", "Plan", "PoolPlan",
+    "draw_plan", "lower_bound", "plan", "plan_bilevel", "plan_pools", "verify",
 ]
