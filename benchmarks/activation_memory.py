@@ -53,6 +53,8 @@ def policies(alphas: list[float]) -> dict[str, dict]:
     out = {"none": {"activations": "none"}, "sc++": {"activations": "sc++"},
            "memo auto": {"activations": "memo", "alpha": "auto", "host_memory": 64 * 2**30}}
     out |= {f"memo {a:g}": {"activations": "memo", "alpha": a, "host_memory": 64 * 2**30} for a in alphas}
+    # MEMO keeps the last two layers resident (eq. 3's n-2); this row swaps every layer
+    out["memo r0"] = {**out["memo auto"], "resident_layers": 0}
     return out
 
 

@@ -1,12 +1,16 @@
 """Compile time and step time of backend="loong" (no pass enabled, and defaults) vs backend="inductor".
 
-    python benchmarks/compile_overhead.py [--reps 3] [--steps 20]
+    python benchmarks/compile_overhead.py [--reps 3] [--rounds 10] [--steps 10]
 
-Each measurement runs in a fresh process with an empty Inductor cache, so both
-backends compile every kernel from scratch.  Compile time = the first training
-step (forward + backward, which compiles both graphs) minus one steady step;
-step time = the median of the following steps.  Runs alternate between the
-backends so that machine noise hits both alike.
+Compile time: each variant compiles in a fresh process with an empty Inductor
+cache, so every kernel is compiled from scratch; compile time = the first
+training step (forward + backward, which compiles both graphs) minus one
+steady step; the median over ``--reps`` processes, variants alternating.
+
+Step time: one process compiles all variants (the same weights) and then times
+them in interleaved rounds of ``--steps`` steps each, so that machine noise (a
+shared VM, frequency changes) hits every variant alike; a variant's step time
+is the median over rounds of each round's median.
 """
 
 from __future__ import annotations
@@ -22,27 +26,40 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CHILD = r"""
-import json, sys, time, torch
+SETUP = r"""
+import json, statistics, sys, time, torch
 sys.path.insert(0, {examples!r})
 import loong_compile
 from llama import Llama, LlamaConfig
-torch.manual_seed(0)
-cfg = LlamaConfig(dim={dim}, n_layers={layers}, n_heads=4, n_kv_heads=2, ffn_dim={ffn})
-model = Llama(cfg)
-ids = torch.randint(0, 256, ({batch}, {seq}))
-options = {options!r}
-compiled = torch.compile(model, backend={backend!r}, fullgraph=True, options=options or None)
-opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-def step():
-    t = time.perf_counter()
-    logits = compiled(ids)
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
-    opt.step(); opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t
+variants = {variants!r}
+ids = torch.randint(0, 256, ({batch}, {seq}), generator=torch.Generator().manual_seed(0))
+
+def make_step(backend, options):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(dim={dim}, n_layers={layers}, n_heads=4, n_kv_heads=2, ffn_dim={ffn}))
+    compiled = torch.compile(model, backend=backend, fullgraph=True, options=options or None)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    def step():
+        t = time.perf_counter()
+        logits = compiled(ids)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        opt.step(); opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
+    return step
+"""
+
+COMPILE_CHILD = SETUP + r"""
+step = make_step(*variants[0])
 first = step()
-steps = [step() for _ in range({steps})]
-print(json.dumps({{"first": first, "steps": steps}}))
+print(json.dumps({{"compile": first - statistics.median(step() for _ in range(5))}}))
+"""
+
+STEP_CHILD = SETUP + r"""
+steps = [make_step(*v) for v in variants]
+for step in steps:
+    step(); step()
+rounds = [[statistics.median(step() for _ in range({steps})) for step in steps] for _ in range({rounds})]
+print(json.dumps({{"step": [statistics.median(r[i] for r in rounds) for i in range(len(steps))]}}))
 """
 
 
@@ -53,51 +70,50 @@ def no_pass_options() -> dict:
     return {"disable_passes": [p.name for p in library_passes()]}
 
 
-VARIANTS = {"inductor": ("inductor", {}), "loong (no pass)": ("loong", None),
+def variants() -> dict[str, tuple[str, dict]]:
+    return {"inductor": ("inductor", {}), "loong (no pass)": ("loong", no_pass_options()),
             "loong (defaults)": ("loong", {})}
 
 
-def measure(variant: str, args: argparse.Namespace) -> dict:
-    backend, options = VARIANTS[variant]
-    options = no_pass_options() if options is None else options
+def run_child(template: str, chosen: list[tuple[str, dict]], args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_FX_GRAPH_CACHE="0",
                    TORCHINDUCTOR_AUTOGRAD_CACHE="0")
-        code = CHILD.format(examples=str(ROOT / "examples"), backend=backend, options=options, dim=args.dim,
-                            layers=args.layers, ffn=int(8 * args.dim / 3) // 8 * 8,
-                            batch=args.batch, seq=args.seq, steps=args.steps)
+        code = template.format(examples=str(ROOT / "examples"), variants=chosen, dim=args.dim,
+                               layers=args.layers, ffn=int(8 * args.dim / 3) // 8 * 8,
+                               batch=args.batch, seq=args.seq, steps=args.steps, rounds=args.rounds)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                              check=True)
-    data = json.loads(out.stdout.strip().splitlines()[-1])
-    step = statistics.median(data["steps"])
-    return {"compile": data["first"] - step, "step": step}
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=3, help="fresh processes per variant (compile time)")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds (step time)")
+    parser.add_argument("--steps", type=int, default=10, help="steps per round")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
+    chosen = variants()
+    compile_s: dict[str, list[float]] = {name: [] for name in chosen}
     for rep in range(args.reps):
-        for variant in results:
-            results[variant].append(measure(variant, args))
-            r = results[variant][-1]
-            print(f"rep {rep + 1} {variant:17s} compile {r['compile']:6.2f} s  step {r['step'] * 1e3:7.2f} ms",
-                  flush=True)
-    med = {b: {k: statistics.median(r[k] for r in rs) for k in ("compile", "step")} for b, rs in results.items()}
+        for name, variant in chosen.items():
+            compile_s[name].append(run_child(COMPILE_CHILD, [variant], args)["compile"])
+            print(f"rep {rep + 1} {name:17s} compile {compile_s[name][-1]:6.2f} s", flush=True)
+    step_s = dict(zip(chosen, run_child(STEP_CHILD, list(chosen.values()), args)["step"]))
     print(f"\nmodel: dim {args.dim}, {args.layers} layers, batch {args.batch} x seq {args.seq}; "
-          f"medians over {args.reps} fresh processes")
+          f"compile: median of {args.reps} fresh processes; step: median of {args.rounds} interleaved "
+          f"rounds x {args.steps} steps")
     print(f"{'backend':17s} {'compile s':>10s} {'step ms':>10s} {'compile / inductor':>19s} "
           f"{'step / inductor':>16s}")
-    base = med["inductor"]
-    for b, m in med.items():
-        print(f"{b:17s} {m['compile']:10.2f} {m['step'] * 1e3:10.2f} "
-              f"{m['compile'] / base['compile']:18.3f}x {m['step'] / base['step']:15.3f}x")
+    base_compile, base_step = statistics.median(compile_s["inductor"]), step_s["inductor"]
+    for name in chosen:
+        c = statistics.median(compile_s[name])
+        print(f"{name:17s} {c:10.2f} {step_s[name] * 1e3:10.2f} {c / base_compile:18.3f}x "
+              f"{step_s[name] / base_step:15.3f}x")
 
 
 if __name__ == "__main__":

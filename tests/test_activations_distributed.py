@@ -29,8 +29,11 @@ MODELS = {"example": example_llama, "hf": hf_llama}
 # (model, hp, cp, activations, alpha); resident_layers=0 so the 2 layers are swapped.  "none"
 # under 2D-Attention is issue 4's test.  alpha="auto" measures bandwidth and layer time on
 # every rank: the ranks must still agree on one alpha.
+# Every alpha on both models, the (hp, cp) factorisations spread among them.
 CONFIGS = [("example", 2, 2, "memo", 0.0), ("example", 2, 2, "memo", 0.5),
            ("example", 2, 2, "memo", 1.0), ("example", 1, 4, "memo", 0.125),
+           ("hf", 2, 2, "memo", 0.0), ("hf", 2, 2, "memo", 0.125), ("hf", 1, 4, "memo", 0.5),
+           ("hf", 4, 1, "memo", 1.0),
            ("hf", 2, 2, "memo", "auto")]   # sc++ on 4 ranks: tests/test_train_distributed.py
 
 

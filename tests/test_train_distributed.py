@@ -161,23 +161,17 @@ def case(model: str, lowering: str, activations: str, layers: int = 2, **grid) -
             "options": {**grid, "lowering": lowering, "activations": activations}}
 
 
-def cases_for(world: int, activations: str, both_models: bool, layers: int = 1) -> list[dict]:
-    """The sweep of one world size; with ``both_models`` every grid point trains both models,
-    otherwise they alternate inside each (hp, cp) so that each model still meets every (hp, cp)."""
-    cases = []
-    for (hp, cp), points in itertools.groupby(sweep(world), key=lambda g: (g["hp"], g["cp"])):
-        points = list(points)
-        for i, grid in enumerate(points):
-            models = ["llama", "hf"] if both_models or len(points) == 1 else [("llama", "hf")[i % 2]]
-            cases += [case(m, "aot_eager", activations, layers, **grid) for m in models]
-    return cases
+def cases_for(world: int, activations: str, models: tuple[str, ...] = ("llama", "hf"),
+              layers: int = 1) -> list[dict]:
+    """The sweep of one world size, every grid point for each of ``models``."""
+    return [case(m, "aot_eager", activations, layers, **grid) for grid in sweep(world) for m in models]
 
 
 @pytest.mark.slow
 def test_four_ranks_every_configuration_both_models_match_one_process():
     """Also the compiled-vs-eager gradient check: a collective whose backward silently gives zero
     gradients under compile fails ``check`` (every parameter's gradient is compared, none may be 0)."""
-    cases = cases_for(4, "none", both_models=True)
+    cases = cases_for(4, "none")
     # two layers here: the rewrite must find every layer's attention
     cases.append(case("llama", "aot_eager", "none", 2, hp=1, cp=2, placement="head_first", inner_ring=2))  # dp=2
     cases.append(case("hf", "inductor", "none", 2, hp=2, cp=2, placement="context_first", inner_ring=2))
@@ -186,13 +180,18 @@ def test_four_ranks_every_configuration_both_models_match_one_process():
 
 @pytest.mark.slow
 def test_four_ranks_selective_checkpoint_matches_one_process():
-    check(run_distributed(train_worker, 4, cases_for(4, "sc++", both_models=False), timeout=TIMEOUT)[0])
+    check(run_distributed(train_worker, 4, cases_for(4, "sc++"), timeout=TIMEOUT)[0])
+
+
+EIGHT_RANK_EXTRAS = {
+    "llama": [case("llama", "aot_eager", "none", 2, hp=2, cp=2, placement="context_first", inner_ring=2),  # dp=2
+              case("llama", "aot_eager", "sc++", hp=2, cp=4, placement="context_first", inner_ring=2)],
+    "hf": [case("hf", "aot_eager", "sc++", hp=8, cp=1, placement="head_first", inner_ring=1)],
+}
 
 
 @pytest.mark.slow
-def test_eight_ranks_every_configuration_matches_one_process():
-    cases = cases_for(8, "none", both_models=False)
-    cases.append(case("llama", "aot_eager", "none", 2, hp=2, cp=2, placement="context_first", inner_ring=2))  # dp=2
-    cases.append(case("llama", "aot_eager", "sc++", hp=2, cp=4, placement="context_first", inner_ring=2))
-    cases.append(case("hf", "aot_eager", "sc++", hp=8, cp=1, placement="head_first", inner_ring=1))
+@pytest.mark.parametrize("model", ["llama", "hf"])
+def test_eight_ranks_every_configuration_matches_one_process(model):
+    cases = cases_for(8, "none", (model,)) + EIGHT_RANK_EXTRAS[model]
     check(run_distributed(train_worker, 8, cases, timeout=TIMEOUT)[0])
