@@ -197,8 +197,10 @@ class _GraphCompile:
         }
         if self.active["inductor"]:
             patches.update(_compat.pool_planning_patches(self._plan_memory, key))
-        if self.config.dump_dir:
-            # A cache hit skips our passes, so the dump would miss stages the user asked to see.
+        if self.config.dump_dir or self.active["post_grad"] or self.active["inductor"]:
+            # A cache hit skips the passes that run inside Inductor: the dump would miss stages
+            # the user asked to see, and their reports (the memory plan's pools, bound and
+            # peaks) would be missing.
             patches["fx_graph_cache"] = False
         return patches
 

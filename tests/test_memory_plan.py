@@ -224,6 +224,23 @@ def test_dynamic_sequence_length_falls_back_and_says_so(one_thread):
     assert not any(POOL_ALLOCATION in c for c in code)
 
 
+def test_second_compile_of_the_same_graph_still_plans_and_reports(one_thread):
+    """Inductor's FX graph cache would hand back the first compile's code without running our
+    hook, so the second report would lack the plan: the backend turns that cache off."""
+    summaries = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 16))
+        reports = []
+        compiled = torch.compile(model, backend=lc.LoongBackend({"memory_plan": True},
+                                                               on_report=reports.append))
+        compiled(torch.randn(24, 16)).sum().backward()
+        summaries.append({r.graph_kind for report in reports for r in report.passes
+                          if r.name == "memory_plan"})
+    assert summaries == [{"forward", "backward"}] * 2
+
+
 def test_plain_inductor_through_the_config_patches(one_thread):
     torch.manual_seed(0)
     planned = nn.Sequential(nn.Linear(32, 96), nn.ReLU(), nn.Linear(96, 96), nn.ReLU(),
