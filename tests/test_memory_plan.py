@@ -174,6 +174,14 @@ def train_steps(kind: str, options: dict, ids: torch.Tensor, pos: torch.Tensor, 
     return out
 
 
+# The allocator's measured peak also sees what runs around the graphs (Dynamo's guards, the
+# runtime wrappers): in one full-suite run the planned forward measured 5 KB above the unplanned
+# one while the predicted peaks were equal (alone, that test measures them equal).  One
+# activation of these models is 32 KiB, so a plan holding one buffer more than Inductor's
+# allocation still fails.
+MEASUREMENT_SLACK = 8 * 1024
+
+
 def assert_identical(plain: dict, planned: dict) -> None:
     for a, b in zip(plain["losses"], planned["losses"]):
         assert torch.equal(a, b)
@@ -202,8 +210,8 @@ def test_plan_is_bit_identical_uses_pools_and_never_raises_the_peak(kind, one_th
         assert summary["peak_bytes"] <= summary["alone_peak_bytes"]
         assert summary["inductor_pool_peak_bytes"] >= summary["alone_peak_bytes"]
     # Measured: the planned graphs never hold more at once than Inductor's own allocation.
-    assert planned["forward_peak"] <= plain["forward_peak"]
-    assert planned["backward_peak"] <= plain["backward_peak"]
+    assert planned["forward_peak"] <= plain["forward_peak"] + MEASUREMENT_SLACK
+    assert planned["backward_peak"] <= plain["backward_peak"] + MEASUREMENT_SLACK
 
 
 def test_dynamic_sequence_length_falls_back_and_says_so(one_thread):
