@@ -151,7 +151,7 @@ def check(results: list[dict]) -> None:
         assert r["attention_ops"] == label["layers"], (label, r["attention_ops"])
         assert not r["zero_grads"], (label, r["zero_grads"])
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]),
-                                   rtol=1e-5, atol=0, msg=lambda m: f"{label}: {m}")
+                                   rtol=1e-5, atol=0, msg=lambda m, label=label: f"{label}: {m}")
         worst = max(r["grad_errors"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, (label, worst)
 
@@ -167,28 +167,64 @@ def cases_for(world: int, activations: str, models: tuple[str, ...] = ("llama", 
     return [case(m, "aot_eager", activations, layers, **grid) for grid in sweep(world) for m in models]
 
 
-@pytest.mark.slow
-def test_four_ranks_every_configuration_both_models_match_one_process():
-    """Also the compiled-vs-eager gradient check: a collective whose backward silently gives zero
-    gradients under compile fails ``check`` (every parameter's gradient is compared, none may be 0)."""
-    cases = cases_for(4, "none")
+def four_rank_cases() -> list[dict]:
+    cases = cases_for(4, "none") + cases_for(4, "sc++")
     # two layers here: the rewrite must find every layer's attention
     cases.append(case("llama", "aot_eager", "none", 2, hp=1, cp=2, placement="head_first", inner_ring=2))  # dp=2
     cases.append(case("hf", "inductor", "none", 2, hp=2, cp=2, placement="context_first", inner_ring=2))
-    check(run_distributed(train_worker, 4, cases, timeout=TIMEOUT)[0])
+    return cases
+
+
+def eight_rank_cases() -> list[dict]:
+    cases = cases_for(8, "none") + cases_for(8, "sc++")
+    cases.append(case("llama", "aot_eager", "none", 2, hp=2, cp=2, placement="context_first", inner_ring=2))  # dp=2
+    return cases
+
+
+# One spawn per world size (starting 4-8 processes on a small machine costs); the tests read
+# their part of the results.
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return run_distributed(train_worker, 4, four_rank_cases(), timeout=TIMEOUT)[0]
+
+
+@pytest.fixture(scope="module")
+def eight_ranks() -> list[dict]:
+    return run_distributed(train_worker, 8, eight_rank_cases(), timeout=TIMEOUT)[0]
+
+
+def results_for(results: list[dict], activations: str, model: str | None = None) -> list[dict]:
+    chosen = [r for r in results if r["case"]["options"]["activations"] == activations
+              and model in (None, r["case"]["model"])]
+    assert chosen
+    return chosen
 
 
 @pytest.mark.slow
-def test_four_ranks_selective_checkpoint_matches_one_process():
-    check(run_distributed(train_worker, 4, cases_for(4, "sc++"), timeout=TIMEOUT)[0])
+def test_four_ranks_every_configuration_both_models_match_one_process(four_ranks):
+    """Also the compiled-vs-eager gradient check: a collective whose backward silently gives zero
+    gradients under compile fails ``check`` (every parameter's gradient is compared, none may be 0)."""
+    check(results_for(four_ranks, "none"))
 
 
 @pytest.mark.slow
+def test_four_ranks_selective_checkpoint_matches_one_process(four_ranks):
+    check(results_for(four_ranks, "sc++"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("activations", ["none", "sc++"])
 @pytest.mark.parametrize("model", ["llama", "hf"])
-def test_eight_ranks_every_configuration_matches_one_process(model):
-    """The sweep with and without Selective Checkpoint++; one spawn per model."""
-    cases = cases_for(8, "none", (model,)) + cases_for(8, "sc++", (model,))
-    if model == "llama":  # dp=2, two layers
-        cases.append(case("llama", "aot_eager", "none", 2, hp=2, cp=2, placement="context_first",
-                          inner_ring=2))
-    check(run_distributed(train_worker, 8, cases, timeout=TIMEOUT)[0])
+def test_eight_ranks_every_configuration_matches_one_process(eight_ranks, model, activations):
+    check(results_for(eight_ranks, activations, model))
+
+
+def test_the_sweeps_cover_every_grid_point_for_both_models_and_policies():
+    for world, cases in ((4, four_rank_cases()), (8, eight_rank_cases())):
+        covered = {(c["model"], c["options"]["activations"], *(c["options"][k] for k in
+                    ("hp", "cp", "placement", "inner_ring"))) for c in cases}
+        for grid in sweep(world):
+            for model in ("llama", "hf"):
+                for activations in ("none", "sc++"):
+                    assert (model, activations, grid["hp"], grid["cp"], grid["placement"],
+                            grid["inner_ring"]) in covered
