@@ -520,6 +520,22 @@ def _device_and_dtype(plan: ActivationPlan) -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.float32
 
 
+class FollowsActivationPlan:
+    """Base of the ``memo`` passes that act on the plan ``ActivationsPass`` left in ``ctx.state``."""
+
+    stage = "split"
+    NO_PLAN = {"matched": 0,
+               "skipped": "no activation plan (the activations pass did not run or found no layer)"}
+
+    def enabled(self, config: Any) -> bool:
+        return config.activations == "memo"
+
+    @staticmethod
+    def plan_of(ctx: PassContext) -> ActivationPlan | None:
+        plan: ActivationPlan | None = ctx.state.get("activations")
+        return plan if plan is not None and plan.layers.names else None
+
+
 class ActivationsPass:
     """Classify the saved values (all policies); under ``memo`` also choose alpha."""
 

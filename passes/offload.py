@@ -33,8 +33,8 @@ import torch.fx
 
 from loong_compile.ops.offload import OFFLOAD, RELOAD, WAIT
 from loong_compile.passes.activations import (
-    CATEGORIES, ActivationPlan, SavedValues, base_of, first_in_order, insert_call, is_view,
-    last_in_order, layer_name, nbytes,
+    CATEGORIES, ActivationPlan, FollowsActivationPlan, SavedValues, base_of, first_in_order,
+    insert_call, is_view, last_in_order, layer_name, nbytes,
 )
 from loong_compile.passes.base import PassContext, SplitGraphs
 
@@ -55,16 +55,13 @@ def forward_uses(node: Node) -> list[Node]:
     return uses
 
 
-class OffloadPass:
-    name, stage = "offload", "split"
-
-    def enabled(self, config: Any) -> bool:
-        return config.activations == "memo"
+class OffloadPass(FollowsActivationPlan):
+    name = "offload"
 
     def run(self, split: SplitGraphs, ctx: PassContext) -> dict[str, Any]:
-        plan: ActivationPlan | None = ctx.state.get("activations")
-        if plan is None or not plan.layers.names:
-            return {"matched": 0, "skipped": "no activation plan (the activations pass did not run or found no layer)"}
+        plan = self.plan_of(ctx)
+        if plan is None:
+            return dict(self.NO_PLAN)
         saved = SavedValues(split, keep=plan.prefixes)
         units = self._units(plan, saved) if plan.offload else {}
         for unit in units:

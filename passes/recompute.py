@@ -32,7 +32,7 @@ import torch
 import torch.fx
 
 from loong_compile.passes.activations import (
-    ActivationPlan, SavedValues, base_of, first_in_order, getitem_users, insert_call, nbytes,
+    ActivationPlan, FollowsActivationPlan, SavedValues, base_of, first_in_order, getitem_users, insert_call, nbytes,
     node_flops, set_meta,
 )
 from loong_compile.passes.base import PassContext, SplitGraphs
@@ -420,16 +420,13 @@ def region(targets: list[Node], stop: Callable[[Node], bool], order: dict[Node, 
     return sorted(seen, key=order.__getitem__)
 
 
-class TokenSliceRecomputePass:
-    name, stage = "recompute", "split"
-
-    def enabled(self, config: Any) -> bool:
-        return config.activations == "memo"
+class TokenSliceRecomputePass(FollowsActivationPlan):
+    name = "recompute"
 
     def run(self, split: SplitGraphs, ctx: PassContext) -> dict[str, Any]:
-        plan: ActivationPlan | None = ctx.state.get("activations")
-        if plan is None or not plan.layers.names:
-            return {"matched": 0, "skipped": "no activation plan (the activations pass did not run or found no layer)"}
+        plan = self.plan_of(ctx)
+        if plan is None:
+            return dict(self.NO_PLAN)
         saved = SavedValues(split, keep=plan.prefixes)
         fw_nodes = list(split.forward.graph.nodes)
         order = {n: k for k, n in enumerate(fw_nodes)}
