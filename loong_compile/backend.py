@@ -218,13 +218,14 @@ class _GraphCompile:
         the active passes and the library's source (passes, ops, planner, estimator)."""
         h = hashlib.sha256(json.dumps(self.config.to_dict(), sort_keys=True, default=str).encode())
         h.update(",".join(p.name for s in STAGES for p in self.active[s]).encode())
-        h.update(_source_digest().encode())
+        h.update(library_source_digest().encode())
         return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=1)
-def _source_digest() -> str:
-    """One hash of every .py file of loong_compile (the passes install inside it)."""
+def library_source_digest() -> str:
+    """One hash of every .py file of loong_compile (the passes install inside it): part of
+    every cache key of code our hooks generate."""
     import loong_compile
     import loong_compile.passes
 

@@ -32,10 +32,8 @@ import re
 import types
 from collections import Counter
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
-import loong_compile.planner as planner_package
 from loong_compile import _compat
 from loong_compile.planner import Buffer
 from loong_compile.planner.pools import PoolPlan, layout_peak, plan_pools
@@ -171,12 +169,7 @@ def inductor_config_patches(time_limit: float = 10.0, bilevel: bool = True,
         if on_summary is not None:
             on_summary(summary)
 
-    key = hashlib.sha256(f"{time_limit},{bilevel}".encode())
-    for path in planner_sources() + [Path(__file__)]:
-        key.update(path.read_bytes())
+    from loong_compile.backend import library_source_digest  # the backend imports this module
+
+    key = hashlib.sha256(f"{time_limit},{bilevel},{library_source_digest()}".encode())
     return _compat.pool_planning_patches(hook, key.hexdigest())
-
-
-def planner_sources() -> list[Path]:
-    """The planner's source files: the generated code depends on them (cache keys)."""
-    return sorted(Path(planner_package.__file__).parent.glob("*.py"))
