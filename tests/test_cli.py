@@ -85,7 +85,7 @@ def test_plot_files(capsys, tmp_path):
 
 def test_hugging_face_config(capsys, tmp_path):
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
                                   "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 128256}))
     code, out, _ = run(capsys, "estimate", "--model", str(config), "--seq", "8192", "--gpus", "2",
                        "--capacity-gib", "80", "--json")

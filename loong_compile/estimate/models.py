@@ -1,8 +1,12 @@
-"""Model shapes the estimator needs, and presets for common Llama models.
+"""Model shapes the estimator needs: presets and any Hugging Face ``config.json`` of the common
+decoder families (dense, GQA/MQA, explicit ``head_dim``, tied embeddings, MoE with shared
+experts, sliding-window layers, biases, QK-norms).
 
-Only the numbers that enter the formulas are kept (the 4D-estimator paper's
-Table 1: ``h, a, k, h_ffn, L, v``).  ``load_model`` accepts a preset name or
-the path of a Hugging Face ``config.json``; nothing is downloaded.
+Only the numbers that enter the formulas are kept (the 4D-estimator paper's Table 1:
+``h, a, k, h_ffn, L, v``, plus what the families add).  Parameter counts follow what
+transformers builds from the same config (``tests/test_model_specs.py`` checks them on the
+meta device).  A ``model_type`` the reader does not know is an error naming it; nothing is
+downloaded.
 """
 
 from __future__ import annotations
@@ -13,12 +17,21 @@ from pathlib import Path
 
 from loong_compile.errors import LoongConfigError
 
+QK_NORMS = ("none", "head", "full")   # none; RMSNorm over head_dim (Qwen3, Gemma3); over all heads (OLMo2)
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """A Llama-architecture decoder (RMSNorm, RoPE, SwiGLU, GQA, untied embedding / LM head).
+    """A pre-norm decoder with RoPE and a gated (SwiGLU/GeGLU) FFN.
 
-    hidden (h), heads (a), kv_heads (k), ffn (h_ffn), layers (L), vocab (v).
+    hidden (h), layers (L), heads (a), kv_heads (k), ffn (h_ffn of dense layers), vocab (v);
+    head_dim (0: h/a); tied_embeddings: the LM head is the embedding.  MoE: ``experts`` routed
+    experts of width ``expert_ffn``, ``experts_per_token`` of them active per token, shared
+    experts of total width ``shared_expert_ffn`` (with a sigmoid gate when
+    ``shared_expert_gate``), in every layer but the first ``dense_layers``.  Biases:
+    ``qkv_bias`` (q, k, v projections), ``o_bias``, ``mlp_bias``.  ``norms_per_layer``
+    RMSNorm weights of width h per layer, ``qk_norm`` one of ``QK_NORMS``.
+    ``sliding_window`` tokens (0: none) in ``local_layers`` of the layers.
     """
 
     name: str
@@ -28,29 +41,131 @@ class ModelSpec:
     kv_heads: int
     ffn: int
     vocab: int
+    head_dim: int = 0
+    tied_embeddings: bool = False
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn: int = 0
+    shared_expert_ffn: int = 0
+    shared_expert_gate: bool = False
+    dense_layers: int = 0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    norms_per_layer: int = 2
+    qk_norm: str = "none"
+    sliding_window: int = 0
+    local_layers: int = 0
 
     def __post_init__(self) -> None:
-        for field in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab"):
+        if self.head_dim == 0 and isinstance(self.hidden, int) and isinstance(self.heads, int) \
+                and self.heads > 0 and self.hidden % self.heads == 0:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        for field in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "head_dim"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise LoongConfigError(f"model {self.name!r}: {field}={value!r}",
-                                       f"{field} must be a positive integer",
-                                       f"fix {field} in the model config")
-        if self.hidden % self.heads:
-            raise LoongConfigError(f"model {self.name!r}: hidden={self.hidden} with heads={self.heads}",
-                                   "hidden must be a multiple of heads",
-                                   "fix hidden_size or num_attention_heads")
+                rule = (f"without head_dim, hidden ({self.hidden}) must be a multiple of heads ({self.heads})"
+                        if field == "head_dim" else f"{field} must be a positive integer")
+                raise self._error(f"{field}={value!r}", rule, f"fix {field} in the model config")
+        for field in ("experts", "experts_per_token", "expert_ffn", "shared_expert_ffn", "dense_layers",
+                      "norms_per_layer", "sliding_window", "local_layers"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise self._error(f"{field}={value!r}", f"{field} must be an integer >= 0", f"fix {field}")
         if self.heads % self.kv_heads:
-            raise LoongConfigError(f"model {self.name!r}: heads={self.heads}, kv_heads={self.kv_heads}",
-                                   "heads must be a multiple of kv_heads (GQA groups)",
-                                   "fix num_key_value_heads")
+            raise self._error(f"heads={self.heads}, kv_heads={self.kv_heads}",
+                              "heads must be a multiple of kv_heads (GQA groups)", "fix num_key_value_heads")
+        if self.experts and not (1 <= self.experts_per_token <= self.experts and self.expert_ffn >= 1):
+            raise self._error(f"experts={self.experts}, experts_per_token={self.experts_per_token}, "
+                              f"expert_ffn={self.expert_ffn}",
+                              "an MoE needs 1 <= experts_per_token <= experts and expert_ffn >= 1",
+                              "fix num_experts_per_tok / moe_intermediate_size")
+        if self.dense_layers > self.layers or self.local_layers > self.layers:
+            raise self._error(f"dense_layers={self.dense_layers}, local_layers={self.local_layers}",
+                              f"at most the {self.layers} layers", "fix the layer pattern")
+        if self.qk_norm not in QK_NORMS:
+            raise self._error(f"qk_norm={self.qk_norm!r}", f"qk_norm is one of {', '.join(QK_NORMS)}",
+                              "fix qk_norm")
+
+    def _error(self, what: str, rule: str, fix: str) -> LoongConfigError:
+        return LoongConfigError(f"model {self.name!r}: {what}", rule, fix)
+
+    # --- parameters (what transformers instantiates) -----------------------------------
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def attention_params(self) -> int:
+        """q, k, v, o projections (and their biases) of one layer."""
+        q, kv, h = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden
+        return (2 * h * q + 2 * h * kv + (q + 2 * kv) * self.qkv_bias + h * self.o_bias)
+
+    def _gated_ffn(self, width: int) -> int:
+        return 3 * self.hidden * width + (2 * width + self.hidden) * self.mlp_bias
+
+    @property
+    def dense_ffn_params(self) -> int:
+        return self._gated_ffn(self.ffn)
+
+    @property
+    def moe_ffn_params(self) -> int:
+        """Every expert, the router and the shared experts of one MoE layer."""
+        if not self.experts:
+            return 0
+        shared = self._gated_ffn(self.shared_expert_ffn) if self.shared_expert_ffn else 0
+        return (self.experts * 3 * self.hidden * self.expert_ffn + self.hidden * self.experts
+                + shared + self.hidden * self.shared_expert_gate)
+
+    @property
+    def norm_params(self) -> int:
+        """RMSNorm weights of one layer (the block norms and the QK-norms)."""
+        qk = {"none": 0, "head": 2 * self.head_dim,
+              "full": (self.heads + self.kv_heads) * self.head_dim}[self.qk_norm]
+        return self.norms_per_layer * self.hidden + qk
+
+    @property
+    def layer_matmul_params(self) -> float:
+        """Projection weights per layer, averaged over dense and MoE layers (split by TP)."""
+        return self.attention_params + (self.dense_layers * self.dense_ffn_params
+                                        + self.moe_layers * self.moe_ffn_params
+                                        + (self.layers - self.dense_layers - self.moe_layers)
+                                        * self.dense_ffn_params) / self.layers
+
+    @property
+    def parameters(self) -> int:
+        """All parameters, tied embeddings counted once (as ``model.num_parameters()``)."""
+        ffn = (self.layers - self.moe_layers) * self.dense_ffn_params + self.moe_layers * self.moe_ffn_params
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return embeddings + self.hidden + self.layers * (self.attention_params + self.norm_params) + ffn
+
+    # --- per-token work -----------------------------------------------------------------
+    @property
+    def activated_ffn(self) -> float:
+        """FFN intermediate width one token passes through, averaged over layers (MoE: the
+        ``experts_per_token`` routed experts plus the shared ones)."""
+        moe = self.experts_per_token * self.expert_ffn + self.shared_expert_ffn
+        return ((self.layers - self.moe_layers) * self.ffn + self.moe_layers * moe) / self.layers
+
+    @property
+    def activated_layer_params(self) -> float:
+        """Projection weights one token multiplies per layer (averaged): 2 FLOPs each forward."""
+        gate = self.hidden * (self.experts + self.shared_expert_gate) if self.experts else 0
+        moe = self.attention_params + 3 * self.hidden * (self.experts_per_token * self.expert_ffn
+                                                         + self.shared_expert_ffn) + gate
+        dense = self.attention_params + self.dense_ffn_params
+        return ((self.layers - self.moe_layers) * dense + self.moe_layers * moe) / self.layers
+
+    def attended_pairs(self, seq: int) -> float:
+        """Causal (query, key) pairs per sequence per layer, averaged over layers: s(s+1)/2, and
+        in sliding-window layers w(w+1)/2 + (s - w) w."""
+        full = seq * (seq + 1) / 2
+        w = min(self.sliding_window, seq) if self.local_layers else seq
+        local = w * (w + 1) / 2 + (seq - w) * w
+        return ((self.layers - self.local_layers) * full + self.local_layers * local) / self.layers
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "parameters": self.parameters}
 
 
 # Llama-2-7B / Llama-3.1 from their published config.json files; "7b-mha" and
@@ -65,10 +180,6 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
 ALIASES = {"llama3-8b": "llama3.1-8b", "llama3-70b": "llama3.1-70b", "llama-2-7b": "llama2-7b",
            "llama-3.1-8b": "llama3.1-8b", "llama-3.1-70b": "llama3.1-70b"}
 
-# Hugging Face LlamaConfig keys -> ModelSpec fields.
-_HF_KEYS = {"hidden_size": "hidden", "num_hidden_layers": "layers",
-            "num_attention_heads": "heads", "intermediate_size": "ffn", "vocab_size": "vocab"}
-
 
 def load_model(name_or_path: str) -> ModelSpec:
     """A preset (case-insensitive; see ``PRESETS`` and ``ALIASES``) or a Hugging Face config.json path."""
@@ -78,28 +189,9 @@ def load_model(name_or_path: str) -> ModelSpec:
         return PRESETS[key]
     path = Path(name_or_path)
     if path.suffix == ".json" or path.exists():
-        return _from_hf_config(path)
+        from loong_compile.estimate.hf_config import spec_from_hf_config
+        return spec_from_hf_config(path)
     names = ", ".join(sorted(PRESETS) + sorted(ALIASES))
     raise LoongConfigError(f"unknown model {name_or_path!r}", f"a model is one of {names}, "
                            "or the path of a Hugging Face config.json",
                            "pick a preset or pass --model path/to/config.json")
-
-
-def _from_hf_config(path: Path) -> ModelSpec:
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise LoongConfigError(f"model config {str(path)!r} does not exist", None,
-                               "pass the path of an existing config.json") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise LoongConfigError(f"model config {str(path)!r} is not readable JSON ({exc})", None,
-                               "pass a Hugging Face config.json") from None
-    missing = [key for key in _HF_KEYS if key not in config]
-    if missing:
-        raise LoongConfigError(f"model config {str(path)!r} lacks {', '.join(missing)}",
-                               "a Llama config.json needs " + ", ".join(_HF_KEYS),
-                               "pass a LlamaConfig-style config.json")
-    fields = {field: config[key] for key, field in _HF_KEYS.items()}
-    fields["kv_heads"] = config.get("num_key_value_heads") or config["num_attention_heads"]
-    return ModelSpec(name=path.stem if path.stem != "config" else path.parent.name or "config",
-                     **fields)
