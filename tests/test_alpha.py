@@ -20,7 +20,7 @@ MB = 2**20
 
 def inputs(**kw) -> AlphaInputs:
     """A layer of 100 MB input + attention and 400 MB others, 10 layers (8 swapped)."""
-    base = {"s_input": 60 * MB, "s_attention": 40 * MB, "s_others": 400 * MB, "layers": 10,
+    base = {"s_input": 60 * MB, "s_attention": 40 * MB, "s_other": 400 * MB, "layers": 10,
             "resident_layers": 2, "bandwidth": 1000 * MB, "layer_time": 1.0, "host_memory": 1e15}
     return AlphaInputs(**(base | kw))
 

@@ -135,3 +135,14 @@ def test_console_script_exit_code():
     proc = subprocess.run([sys.executable, "-m", "loong_compile.cli", "plan", "--model", "nope", "--seq", "8K",
                            "--gpus", "8", "--gpu", "h100"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown model 'nope'" in proc.stderr
+
+
+def test_estimator_and_cli_import_without_torch():
+    """``loong plan`` runs on a laptop: no estimate module (alpha's LP included) imports torch."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import pkgutil, importlib, loong_compile.estimate as e, loong_compile.cli\n"
+            "for m in pkgutil.iter_modules(e.__path__): importlib.import_module('loong_compile.estimate.' + m.name)\n"
+            "from loong_compile.cli import main\n"
+            "sys.exit(main(['plan', '--model', '7b-gqa', '--seq', '128K', '--gpus', '8', '--gpu', 'a100', '--json']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

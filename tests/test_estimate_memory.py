@@ -7,10 +7,9 @@ import pytest
 import sympy as sp
 
 from loong_compile.errors import LoongConfigError
-from loong_compile.estimate import memory as mem
-from loong_compile.estimate.memory import (
-    GIB, MemoryOptions, ParallelConfig, estimate_memory, layer_activations, model_state_terms,
-)
+from loong_compile.estimate import equations as mem
+from loong_compile.estimate.equations import model_state_terms
+from loong_compile.estimate.memory import GIB, MemoryOptions, ParallelConfig, estimate_memory, layer_activations
 from loong_compile.estimate.models import ModelSpec, load_model
 
 LLAMA31_8B = load_model("llama3.1-8b")
@@ -132,7 +131,7 @@ def _layers_bracket():
 
 
 def _zero1_states():
-    return sum(term.expr for term in model_state_terms(1)).subs({mem.stage: 0, mem.hp: 1})
+    return sum(term.expr for term in model_state_terms(1)).subs(mem.PAPER_LAYER).subs({mem.stage: 0, mem.hp: 1})
 
 
 def test_zero1_over_d_c_is_eq10_symbolically():
@@ -192,7 +191,7 @@ def _sizes(model, seq, sp_size, batch=1, beta=2):
     return {"x": beta * tokens * model.hidden, "out": beta * tokens * model.hidden,
             "lse": 4 * tokens * model.heads,
             # exact: SiLU(gate) is recomputed by the min-cut partition, so 3 FFN-wide tensors
-            "others": tokens * (beta * (4 * model.hidden + 2 * model.kv_heads * head_dim + 3 * model.ffn) + 8)}
+            "other": tokens * (beta * (4 * model.hidden + 2 * model.kv_heads * head_dim + 3 * model.ffn) + 8)}
 
 
 @pytest.mark.parametrize("policy", ["full", "sc++"])
@@ -212,7 +211,7 @@ def test_recompute_working_set_is_one_layer_of_recomputed_tensors():
     config = ParallelConfig(seq=s, cp=2, hp=2)
     terms = estimate_memory(model, config, MemoryOptions(activations="sc++", exact=True)).terms
     size = _sizes(model, s, 4)
-    assert terms["activations: recompute working set (one layer)"] * GIB == pytest.approx(size["others"], rel=1e-12)
+    assert terms["activations: recompute working set (one layer)"] * GIB == pytest.approx(size["other"], rel=1e-12)
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.25, 1.0])
@@ -224,9 +223,9 @@ def test_memo_rounding_buffers_and_host_bytes(alpha):
     result = estimate_memory(model, config, MemoryOptions(activations="memo", alpha=alpha, exact=True))
     size = _sizes(model, s, 8)
     kept = size["x"] + size["out"] + size["lse"]
-    buffers = 2 * kept + (1 if alpha == 0 else 2) * size["others"]
+    buffers = 2 * kept + (1 if alpha == 0 else 2) * size["other"]
     assert result.terms["activations: MEMO rounding buffers"] * GIB == pytest.approx(buffers, rel=1e-12)
-    host = (model.layers - 2) * (kept + alpha * size["others"])
+    host = (model.layers - 2) * (kept + alpha * size["other"])
     assert result.host_gib * GIB == pytest.approx(host, rel=1e-12)
     assert "host: offloaded activations" not in result.terms    # host bytes are not GPU bytes
     assert not any("working set" in name for name in result.terms)   # recompute fills the buffers
@@ -332,21 +331,21 @@ def test_layer_activations_memo_slices_tokens(alpha):
     for x in memo.tensors:
         assert x.saved + x.recomputed == x.bytes == none[x.name].bytes
         assert x.offloaded == x.saved
-        if x.category == "others":
+        if x.category == "other":
             assert x.saved == x.bytes // seq * kept_tokens
         else:
             assert x.recomputed == 0
-    assert memo.by_category("recomputed")["others"] == none_others(none) * (seq - kept_tokens) // seq
+    assert memo.by_category("recomputed")["other"] == none_others(none) * (seq - kept_tokens) // seq
 
 
 def none_others(tensors):
-    return sum(x.bytes for x in tensors.values() if x.category == "others")
+    return sum(x.bytes for x in tensors.values() if x.category == "other")
 
 
 def test_layer_activations_sc_plus_plus():
     result = layer_activations(TINY, 128, 1, 4, "sc++")
     saved, recomputed = result.by_category(), result.by_category("recomputed")
-    assert saved["others"] == 0 and recomputed["input"] == recomputed["attention"] == 0
+    assert saved["other"] == 0 and recomputed["input"] == recomputed["attention"] == 0
     assert saved["attention"] == 4 * 128 * 64 + 4 * 4 * 128
     assert result.by_category("offloaded") == dict.fromkeys(mem.CATEGORIES, 0)
 

@@ -3,15 +3,16 @@
 MEMO (§4.1, eqs. 1-3), per transformer layer::
 
     max  alpha
-    s.t. (S_input + S_attn + alpha * S_others) / B <= T_layer          (the copy hides behind compute)
-         (n - 2) * (S_input + S_attn + alpha * S_others) <= M_CPU      (host memory holds it)
+    s.t. (S_input + S_attn + alpha * S_other) / B <= T_layer          (the copy hides behind compute)
+         (n - 2) * (S_input + S_attn + alpha * S_other) <= M_CPU      (host memory holds it)
          0 <= alpha <= 1
 
 ``n - 2``: the last two layers start their backward right after their forward and are not
 swapped; here that count is ``resident_layers`` (default 2).  The LP is solved with pyomo +
 HiGHS, the planner's solver stack.  ``B``, ``T_layer`` and ``M_CPU`` come from options or are
 measured here (``measure_*``); every rank then takes the minimum over ranks
-(``agree_min``) so all ranks build the same graph.
+(``agree_min``) so all ranks build the same graph.  torch is imported only by those
+measurements, so the LP itself (and ``loong plan``) runs without it.
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ import math
 import os
 import time
 from collections.abc import Sequence
-
-import torch
-import torch.distributed as dist
 
 # Share of the available host memory the offloaded activations may take: the rest is
 # for the optimizer, data loading and everything else the host runs.
@@ -38,7 +36,7 @@ class AlphaInputs:
 
     s_input: int
     s_attention: int
-    s_others: int
+    s_other: int
     layers: int                 # n
     resident_layers: int        # layers never swapped (MEMO: 2)
     bandwidth: float            # B, bytes/s
@@ -51,7 +49,7 @@ class AlphaInputs:
 
     def transfer_bytes(self, alpha: float) -> float:
         """Bytes one swapped layer sends to the host at ``alpha``."""
-        return self.s_input + self.s_attention + alpha * self.s_others
+        return self.s_input + self.s_attention + alpha * self.s_other
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,15 +96,15 @@ def solve_alpha(inputs: AlphaInputs, time_limit: float = 10.0) -> AlphaDecision:
 
     start = time.perf_counter()
     # Scale bytes to O(1) so HiGHS sees well-conditioned coefficients.
-    scale = float(max(inputs.s_input + inputs.s_attention + inputs.s_others, 1))
+    scale = float(max(inputs.s_input + inputs.s_attention + inputs.s_other, 1))
     fixed = (inputs.s_input + inputs.s_attention) / scale
-    others = inputs.s_others / scale
+    other = inputs.s_other / scale
     m = pyo.ConcreteModel()
     m.alpha = pyo.Var(bounds=(0.0, 1.0))
     m.objective = pyo.Objective(expr=m.alpha, sense=pyo.maximize)
-    m.bandwidth = pyo.Constraint(expr=fixed + others * m.alpha <= inputs.bandwidth * inputs.layer_time / scale)
+    m.bandwidth = pyo.Constraint(expr=fixed + other * m.alpha <= inputs.bandwidth * inputs.layer_time / scale)
     m.host_memory = pyo.Constraint(
-        expr=inputs.swapped_layers * (fixed + others * m.alpha) <= inputs.host_memory / scale)
+        expr=inputs.swapped_layers * (fixed + other * m.alpha) <= inputs.host_memory / scale)
     solver = pyo.SolverFactory("highs")
     solver.config.time_limit = time_limit
     result = solver.solve(m, load_solutions=False)
@@ -139,6 +137,8 @@ def solve_alpha(inputs: AlphaInputs, time_limit: float = 10.0) -> AlphaDecision:
 @functools.cache
 def measure_host_bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float:
     """Device -> host copy bandwidth (bytes/s), best of a few copies (pinned host on CUDA)."""
+    import torch
+
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     best = math.inf
@@ -154,6 +154,8 @@ def measure_host_bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> fl
 @functools.cache
 def measure_matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     """FLOP/s of a square matmul in ``dtype`` on ``device`` (the rate a layer's GEMMs reach)."""
+    import torch
+
     n = 2048 if device.type == "cuda" else 512
     a = torch.randn(n, n, device=device, dtype=dtype)
     best = math.inf
@@ -184,12 +186,17 @@ def available_host_memory(local_ranks: int | None = None) -> float:
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
 
 
 def agree_min(values: Sequence[float]) -> list[float]:
     """The element-wise minimum over all ranks (identity in a single process), so that
     every rank solves the same LP and builds the same graph."""
+    import torch
+    import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [float(v) for v in values]
     device = (torch.device("cuda", torch.cuda.current_device())

@@ -28,7 +28,7 @@ from collections import Counter
 
 from loong_compile.errors import LoongConfigError
 from loong_compile.estimate.hardware import HardwareProfile
-from loong_compile.estimate.memory import ParallelConfig, attention_transfer_bytes, layer_matmul_params
+from loong_compile.estimate.memory import ParallelConfig, attention_transfer_bytes
 from loong_compile.estimate.models import ModelSpec
 
 PLACEMENTS = ("head_first", "context_first")
@@ -219,7 +219,7 @@ def layer_cost(model: ModelSpec, config: ParallelConfig, placement: str, hw: Har
     non-attention forward), and ``offload_bytes`` per layer moved to host and back (memo)."""
     attention = attention_cost(model, config, placement, hw, dtype_bytes)
     tokens = config.micro_batch * config.seq / config.sp
-    dense_fwd = 2 * tokens * layer_matmul_params(model) / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
+    dense_fwd = 2 * tokens * model.activated_layer_params / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
     recompute = {"none": 0.0, "full": dense_fwd + attention.forward_s, "sc++": dense_fwd,
                  "memo": (1 - alpha) * dense_fwd}[policy]
     transfer = offload_bytes / (hw.pcie_gbps * 1e9)

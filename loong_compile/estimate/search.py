@@ -164,7 +164,7 @@ def plan(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, *,
                     offload = 0.0
                     if policy == "memo":
                         sizes = category_bytes(model, config, options)
-                        offload = sizes["input"] + sizes["attention"] + alpha * sizes["others"]
+                        offload = sizes["input"] + sizes["attention"] + alpha * sizes["other"]
                     cost = layer_cost(model, config, placement, hardware, policy, alpha or 0.0,
                                       offload, options.dtype_bytes)
                     ranked.append(Candidate(config, placement, policy, alpha, zero, memory, cost,
