@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from loong_compile.errors import LoongConfigError, LoongError
 
 _SUFFIX = {"": 1, "k": 1024, "m": 1024 ** 2}
-_PLAN_WIDTH = 128   # the ranked table's natural width; narrower consoles would truncate its cells
+_PLAN_WIDTH = 156   # the ranked table's natural width; narrower consoles would truncate its cells
 
 
 def _positive_int(text: str) -> int:
@@ -113,13 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
                      default=("none", "sc++", "memo"), help="policies to try (comma-separated)")
     pln.add_argument("--alphas", type=_list_of(_number(0, 1)), default=(0.0, 0.5, 1.0),
                      help="memo alphas to try (comma-separated)")
-    pln.add_argument("--zero", type=_list_of(_zero_stage), default=(1,), help="ZeRO stages to try")
+    pln.add_argument("--zero", type=_list_of(_zero_stage), default=(0, 1, 2, 3),
+                     help="ZeRO stages to try over dp*cp*hp (default: all; FSDP2 runs 2 and 3)")
     pln.add_argument("--placements", type=_choice_list(("head_first", "context_first")),
                      default=("head_first", "context_first"))
     pln.add_argument("--paper-terms", action="store_true",
                      help="the 4D paper's terms only (no lse / norm statistics / ring buffers / overheads)")
     pln.add_argument("--top", type=_positive_int, default=10, help="rows to show")
     pln.add_argument("--show-pruned", action="store_true", help="list every pruned configuration")
+    pln.add_argument("--explain", type=_positive_int, metavar="N",
+                     help="say why configuration N ranks where it does")
     return parser
 
 
@@ -211,7 +214,9 @@ def run_estimate(args, console) -> int:
 
 def run_plan(args, console) -> int:
     from loong_compile.estimate.models import load_model
+    from loong_compile.estimate.rationale import explain_rank
     from loong_compile.estimate.search import plan
+    from loong_compile.estimate.validation import published_reference
 
     model = load_model(args.model)
     hardware = _hardware(args, required=True)
@@ -224,8 +229,14 @@ def run_plan(args, console) -> int:
     if args.plot:
         from loong_compile.estimate.plot import plot_plan
         plot_plan(result, args.plot, args.top)
+    published = published_reference(model, args.seq, args.gpus)
+    explanation = explain_rank(result, args.explain) if args.explain else None
     if args.json:
-        print(json.dumps(result.to_dict(top=args.top), indent=2))
+        out = result.to_dict(top=args.top)
+        out["published"] = None if published is None else {"mfu": published[0], "source": published[1]}
+        if explanation:
+            out["explain"] = {"rank": args.explain, "lines": explanation}
+        print(json.dumps(out, indent=2))
         return 0
     from rich.table import Table
 
@@ -233,7 +244,7 @@ def run_plan(args, console) -> int:
                         f"({hardware.memory_gib:g} GiB): {len(result.ranked)} configurations fit, "
                         f"{len(result.pruned)} pruned", title_justify="left")
     for column in ("#", "dp", "cp", "hp", "placement", "ring", "activations", "ZeRO", "GiB",
-                   "headroom", "attn ms/layer", "layer ms", "tok/s/GPU"):
+                   "headroom", "attn ms/layer", "layer ms", "step s", "MFU", "tok/s/GPU"):
         table.add_column(column, justify="left" if column in ("placement", "activations") else "right",
                          no_wrap=True)
     for i, c in enumerate(result.ranked[:args.top], 1):
@@ -241,7 +252,8 @@ def run_plan(args, console) -> int:
         table.add_row(str(i), str(c.config.dp), str(c.config.cp), str(c.config.hp), c.placement,
                       str(c.config.inner_ring), policy, str(c.zero), f"{c.memory.estimate_gib:.1f}",
                       f"{c.memory.headroom_gib:.1f}", f"{c.cost.attention.total_s * 1e3:.2f}",
-                      f"{c.cost.total_s * 1e3:.2f}", f"{c.tokens_per_gpu_s:,.0f}")
+                      f"{c.cost.total_s * 1e3:.2f}", f"{c.step_s:.2f}", f"{c.mfu:.1%}",
+                      f"{c.tokens_per_gpu_s:,.0f}")
     console.print(table)
     if result.best is None:
         console.print("[red]no configuration fits[/red]; pruned because:")
@@ -250,12 +262,23 @@ def run_plan(args, console) -> int:
                       f"micro-batch {args.micro_batch}; times are cost-model predictions):")
         console.print(f"  torch.compile(model, backend=\"loong\", options={result.best.options!r})",
                       highlight=False, soft_wrap=True)
+        console.print(f"  launch: {result.best.launch()}", highlight=False, soft_wrap=True)
+        line = f"predicted best MFU: {result.best.mfu:.2%}"
+        if published is not None:
+            line += f"; published: {published[1]}"
+        console.print(line, highlight=False, soft_wrap=True)
         console.print("pruned:")
     for reason, count in sorted(result.pruned_reasons().items()):
         console.print(f"  {count:4d} x {reason}")
     if args.show_pruned:
         for p in result.pruned:
             console.print(f"  {p.config}: {p.reason}", highlight=False)
+    console.print("searched: what torch.compile(backend=\"loong\") runs: dp x cp x hp meshes (tp = pp = 1), "
+                  f"activations {', '.join(args.activations)}, ZeRO {', '.join(map(str, args.zero))} over "
+                  "dp*cp*hp; tensor and pipeline parallelism: loong estimate --tp/--pp", highlight=False,
+                  soft_wrap=True)
+    for line in explanation or ():
+        console.print(line, highlight=False, soft_wrap=True)
     return 0
 
 

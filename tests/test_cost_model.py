@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from loong_compile.errors import LoongConfigError
-from loong_compile.estimate.cost import PLACEMENTS, attention_cost, layer_cost, rank_of
+from loong_compile.estimate.cost import PLACEMENTS, attention_cost, attention_rate, elementwise_elements, layer_cost, rank_of
 from loong_compile.estimate.hardware import load_hardware
 from loong_compile.estimate.memory import ParallelConfig
 from loong_compile.estimate.models import load_model
@@ -22,10 +22,14 @@ def _cost(model, seq, hp, cp, w=1, placement="head_first", hw=A100, dp=1):
 
 
 def test_compute_per_micro_step():
-    """T_fwd = alpha S^2 D / (d_cp d_sp), alpha = 2 / achieved FLOP/s; backward 3x (4.5.2)."""
+    """T_fwd = alpha S^2 D / (d_cp d_sp), alpha = 2 / achieved FLOP/s; backward 3x (4.5.2).  The
+    achieved rate is FlashAttention's on blocks of S/d_cp keys: e * peak * n / (n + n_half)."""
     hp, cp = 4, 16
     cost = _cost(MHA, S128K, hp, cp)
-    alpha = 2 / (A100.peak_tflops * 1e12 * A100.attention_efficiency)
+    block = S128K / cp
+    rate = A100.peak_tflops * 1e12 * A100.attention_efficiency * block / (block + A100.attention_half_block)
+    assert attention_rate(A100, block) == pytest.approx(rate)
+    alpha = 2 / rate
     attn = alpha * S128K ** 2 * MHA.hidden / (cp * hp * cp)
     merge = 12 * S128K * MHA.hidden / (hp * cp) / (A100.hbm_gbps * 1e9)
     assert cost.merge_step_s == pytest.approx(merge)
@@ -102,12 +106,12 @@ def test_finding_mha_short_sequence_larger_hp_wins():
     assert best[1] > 1.5 * best[winner]
 
 
-@pytest.mark.parametrize("hw_name", ["a100", "h100"])
 @pytest.mark.parametrize("seq", [S128K, 1048576])
-def test_finding_gqa_balanced_grid_wins(hw_name, seq):
-    """LoongTrain 6.3 (GQA study): d_hp = d_cp = 8 is best on 64 GPUs; larger d_hp pays SeqAlltoAll
-    across nodes, smaller d_hp more ring steps."""
-    best = _best_by_hp(GQA, seq, load_hardware(hw_name))
+def test_finding_gqa_balanced_grid_wins(seq):
+    """LoongTrain 6.3 (GQA study, A100s): d_hp = d_cp = 8 is best on 64 GPUs; larger d_hp pays
+    SeqAlltoAll across nodes, smaller d_hp more ring steps.  (On H100s, where flash-attn 2
+    reaches 35 % of peak, compute hides more and d_hp = 8 and 16 come within 1 %.)"""
+    best = _best_by_hp(GQA, seq, A100)
     assert min(best, key=best.get) == 8
 
 
@@ -126,14 +130,19 @@ def test_layer_cost_policies():
     tokens = S128K / 64
     params = 2 * GQA.hidden ** 2 * (1 + 8 / 32) + 3 * GQA.hidden * GQA.ffn
     assert dense == pytest.approx(2 * tokens * params / (A100.peak_tflops * 1e12 * A100.matmul_efficiency))
-    assert costs["sc++"].total_s - costs["none"].total_s == pytest.approx(dense)
-    assert costs["memo"].recompute_s == pytest.approx(0.5 * dense)
+    # elementwise: 10h + 2(a + k) d_head + 3 h_ffn elements per token, bf16, at HBM bandwidth
+    elements = 10 * GQA.hidden + 2 * (32 + 8) * 128 + 3 * GQA.ffn
+    assert elementwise_elements(GQA) == elements
+    local = dense + costs["none"].elementwise_fwd_s
+    assert costs["none"].elementwise_fwd_s == pytest.approx(2 * tokens * elements / (A100.hbm_gbps * 1e9))
+    assert costs["sc++"].total_s - costs["none"].total_s == pytest.approx(local)
+    assert costs["memo"].recompute_s == pytest.approx(0.5 * local)
     full = layer_cost(GQA, config, "head_first", A100, "full")
-    assert full.recompute_s == pytest.approx(dense + full.attention.forward_s)
+    assert full.recompute_s == pytest.approx(local + full.attention.forward_s)
     # Host transfers slower than the layer stall it; faster ones hide.
     slow = layer_cost(GQA, config, "head_first", A100, "memo", 1.0, offload_bytes=1e12)
-    forward = slow.attention.forward_s + slow.dense_fwd_s
-    backward = slow.attention.backward_s + 2 * slow.dense_fwd_s + slow.recompute_s
+    forward = slow.attention.forward_s + slow.dense_fwd_s + slow.elementwise_fwd_s
+    backward = slow.attention.backward_s + 2 * (slow.dense_fwd_s + slow.elementwise_fwd_s) + slow.recompute_s
     assert slow.transfer_s == pytest.approx(1e12 / (A100.pcie_gbps * 1e9))
     assert slow.transfer_stall_s == pytest.approx(2 * slow.transfer_s - forward - backward)
     assert layer_cost(GQA, config, "head_first", A100, "memo", 1.0, offload_bytes=1.0).transfer_stall_s == 0

@@ -79,8 +79,8 @@ def test_sliding_windows():
     gemma = load_model(str(DATA / "gemma3-4b-text.json"))
     assert (gemma.sliding_window, gemma.local_layers) == (1024, 34 - 34 // 6)   # 5 local : 1 global
     seq = 131072
-    full = seq * (seq + 1) / 2
-    local = 1024 * 1025 / 2 + (seq - 1024) * 1024
+    full = seq * seq / 2
+    local = 1024 * 1024 / 2 + (seq - 1024) * 1024
     assert gemma.attended_pairs(seq) == pytest.approx((29 * local + 5 * full) / 34, rel=1e-12)
     assert load_model("llama3.1-8b").attended_pairs(seq) == full
     assert load_model(str(DATA / "qwen3-8b.json")).local_layers == 0    # use_sliding_window false

@@ -47,7 +47,7 @@ def test_pruned_configurations_say_why(result):
 
 
 def test_search_space_is_complete(result):
-    """Every (dp, cp, hp, placement, w, policy) appears either ranked or pruned."""
+    """Every (dp, cp, hp, placement, w, policy, ZeRO stage) appears either ranked or pruned."""
     seen = {tuple(c.describe().values()) for c in result.ranked}
     seen |= {tuple(p.config.values()) for p in result.pruned if "placement" in p.config}
     grids = {(p.config["dp"], p.config["cp"], p.config["hp"]) for p in result.pruned if "placement" not in p.config}
@@ -56,7 +56,7 @@ def test_search_space_is_complete(result):
         for cp in (x for x in (1, 2, 4, 8, 16, 32, 64) if 64 % (x * hp) == 0):
             placements = 2 if hp > 1 and cp > 1 else 1
             rings = max(1, len([w for w in (1, 2, 4, 8, 16, 32) if cp % w == 0 and w < cp]))
-            expected += placements * rings * (2 + 3)          # none, sc++, memo x 3 alphas
+            expected += placements * rings * (2 + 3) * 4      # none, sc++, memo x 3 alphas; ZeRO 0-3
     assert len(seen) == expected and grids == {(1, 1, 64)}
 
 

@@ -17,8 +17,10 @@ projections (2 FLOPs per weight per token forward, twice that backward), the for
 policy recomputes, and MEMO's offload / prefetch time where it exceeds the compute it
 hides behind.  Two additions to 4.5, both stated in the breakdown: each micro-step's merge of partial outputs
 (forward: out/lse rescaling; backward: dQ accumulation), memory-bound at HBM bandwidth, and
-a per-message latency.  ``alpha_c = 2 / (peak * attention_efficiency)``: causal attention
-does 4 S^2 D / 2 FLOPs forward.
+a per-message latency.  ``alpha_c = 2 / attention_rate``: causal attention does 4 S^2 D / 2
+FLOPs forward (in sliding-window layers 4 D per attended pair instead); the rate FlashAttention
+reaches grows with the block a ring step hands it (``attention_rate``).  The layer's
+elementwise ops (norms, RoPE, SwiGLU, residual adds) are memory-bound at HBM bandwidth.
 """
 
 from __future__ import annotations
@@ -32,9 +34,22 @@ from loong_compile.estimate.memory import ParallelConfig, attention_transfer_byt
 from loong_compile.estimate.models import ModelSpec
 
 PLACEMENTS = ("head_first", "context_first")
-CAUSAL_FLOPS_PER_S2D = 2.0       # 2 matmuls x 2 FLOPs per MAC x 1/2 (causal mask)
+FLOPS_PER_PAIR_DIM = 4.0         # QK^T and PV: 2 matmuls x 2 FLOPs per MAC per (query, key, dim)
 BACKWARD_FACTOR = 3.0            # LoongTrain 4.5.2
 MERGE_BYTES_PER_ELEMENT = 12.0   # fp32 accumulator read + block read + accumulator write
+
+
+def attention_rate(hw: HardwareProfile, block_tokens: float) -> float:
+    """FLOP/s FlashAttention reaches on blocks of ``block_tokens`` keys per call: the long-block
+    efficiency, halved at ``attention_half_block`` tokens (saturation curve)."""
+    return hw.peak_tflops * 1e12 * hw.attention_efficiency * block_tokens / (block_tokens + hw.attention_half_block)
+
+
+def elementwise_elements(model: ModelSpec) -> float:
+    """Elements per token one layer's forward reads and writes outside GEMMs and attention: two
+    RMSNorms (read x, write y: 4h), two residual adds (6h), RoPE on q and k (2(a + k) d_head),
+    the gated activation (read gate and up, write: 3 h_ffn).  The backward moves twice that."""
+    return 10 * model.hidden + 2 * (model.heads + model.kv_heads) * model.head_dim + 3 * model.activated_ffn
 
 
 def rank_of(dp_i: int, cp_i: int, hp_i: int, cp: int, hp: int, placement: str) -> int:
@@ -168,11 +183,11 @@ def attention_cost(model: ModelSpec, config: ParallelConfig, placement: str, hw:
         raise LoongConfigError(f"tp={config.tp}, pp={config.pp}",
                                "the 2D-Attention cost model covers dp x cp x hp meshes (tp = pp = 1)",
                                "use the memory estimate alone for tp/pp configurations")
-    seq, batch, hidden = config.seq, config.micro_batch, model.hidden
+    seq, batch, width = config.seq, config.micro_batch, model.heads * model.head_dim
     cp, hp, sp_size, w = config.cp, config.hp, config.sp, config.inner_ring
-    flops_rate = hw.peak_tflops * 1e12 * hw.attention_efficiency
-    attn_fwd = CAUSAL_FLOPS_PER_S2D * batch * seq ** 2 * hidden / (cp * sp_size) / flops_rate
-    merge = 0.0 if cp == 1 else MERGE_BYTES_PER_ELEMENT * batch * seq * hidden / sp_size / (hw.hbm_gbps * 1e9)
+    flops = FLOPS_PER_PAIR_DIM * batch * model.attended_pairs(seq) * width
+    attn_fwd = flops / (cp * sp_size) / attention_rate(hw, seq / cp)
+    merge = 0.0 if cp == 1 else MERGE_BYTES_PER_ELEMENT * batch * seq * width / sp_size / (hw.hbm_gbps * 1e9)
     compute_fwd = attn_fwd + merge
     compute_bwd = BACKWARD_FACTOR * attn_fwd + merge
 
@@ -196,17 +211,20 @@ class LayerCost:
 
     attention: AttentionCost
     dense_fwd_s: float
+    elementwise_fwd_s: float
     recompute_s: float
     transfer_s: float
     transfer_stall_s: float
 
     @property
     def total_s(self) -> float:
-        return self.attention.total_s + 3 * self.dense_fwd_s + self.recompute_s + self.transfer_stall_s
+        return (self.attention.total_s + 3 * (self.dense_fwd_s + self.elementwise_fwd_s) + self.recompute_s
+                + self.transfer_stall_s)
 
     def to_dict(self) -> dict:
         return {"attention": self.attention.to_dict(), "dense_fwd_s": self.dense_fwd_s,
-                "dense_bwd_s": 2 * self.dense_fwd_s, "recompute_s": self.recompute_s,
+                "dense_bwd_s": 2 * self.dense_fwd_s, "elementwise_fwd_s": self.elementwise_fwd_s,
+                "elementwise_bwd_s": 2 * self.elementwise_fwd_s, "recompute_s": self.recompute_s,
                 "transfer_s": self.transfer_s, "transfer_stall_s": self.transfer_stall_s,
                 "total_s": self.total_s}
 
@@ -220,10 +238,12 @@ def layer_cost(model: ModelSpec, config: ParallelConfig, placement: str, hw: Har
     attention = attention_cost(model, config, placement, hw, dtype_bytes)
     tokens = config.micro_batch * config.seq / config.sp
     dense_fwd = 2 * tokens * model.activated_layer_params / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
-    recompute = {"none": 0.0, "full": dense_fwd + attention.forward_s, "sc++": dense_fwd,
-                 "memo": (1 - alpha) * dense_fwd}[policy]
+    elementwise = dtype_bytes * tokens * elementwise_elements(model) / (hw.hbm_gbps * 1e9)
+    local_fwd = dense_fwd + elementwise
+    recompute = {"none": 0.0, "full": local_fwd + attention.forward_s, "sc++": local_fwd,
+                 "memo": (1 - alpha) * local_fwd}[policy]
     transfer = offload_bytes / (hw.pcie_gbps * 1e9)
-    forward = attention.forward_s + dense_fwd
-    backward = attention.backward_s + 2 * dense_fwd + recompute
+    forward = attention.forward_s + local_fwd
+    backward = attention.backward_s + 2 * local_fwd + recompute
     stall = max(0.0, transfer - forward) + max(0.0, transfer - backward)
-    return LayerCost(attention, dense_fwd, recompute, transfer, stall)
+    return LayerCost(attention, dense_fwd, elementwise, recompute, transfer, stall)

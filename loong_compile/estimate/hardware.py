@@ -1,10 +1,10 @@
 """Hardware profiles: what the memory rule and the cost model need to know about a cluster.
 
 Bandwidths are per direction in GB/s (1e9 bytes/s), memory in GiB (2**30 bytes,
-the unit the 4D-estimator paper's tables use).  The efficiencies turn peak
-FLOP/s into the rate a kernel really reaches; they are assumptions, stated
-here once, and every profile field can be overridden (``load_hardware(...,
-**overrides)``, ``loong plan --gpu-opt key=value``) or given in a JSON file.
+the unit the 4D-estimator paper's tables use).  Every constant has its value and public
+source in docs/estimator.md (calibration table); every profile field can be overridden
+(``load_hardware(..., **overrides)``, ``loong plan --gpu-opt key=value``) or given in a JSON
+file.
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ class HardwareProfile:
     memory_gib: GPU memory (GiB).  gpus_per_node / nics_per_node: node layout; the
     NICs are shared by the node's GPUs (rail-optimised, one flow per NIC at full rate).
     nic_gbps: one NIC's bandwidth.  nvlink_gbps: one GPU's NVLink bandwidth.
-    hbm_gbps: device memory bandwidth (per-step merges of partial attention outputs).
-    peak_tflops: dense bf16 peak.  attention_efficiency / matmul_efficiency: achieved
-    fraction of peak for FlashAttention forward / large GEMMs.  pcie_gbps: host<->device
-    copy bandwidth (MEMO's B).  host_memory_gib: host memory per node (MEMO's M_CPU).
-    intra_latency_us / inter_latency_us: per-message latency on NVLink / the network.
+    hbm_gbps: device memory bandwidth (merges of partial attention outputs, elementwise ops).
+    peak_tflops: dense bf16 peak.  attention_efficiency: the fraction of peak FlashAttention
+    reaches on long blocks; attention_half_block: the block length (tokens per ring step) at
+    which it reaches half of that (short blocks do not fill the GPU).  matmul_efficiency:
+    fraction of peak of large GEMMs.  pcie_gbps: host<->device copy bandwidth (MEMO's B).
+    host_memory_gib: host memory per node (MEMO's M_CPU).  intra_latency_us /
+    inter_latency_us: per-message latency on NVLink / the network.
     """
 
     name: str
@@ -38,12 +40,13 @@ class HardwareProfile:
     nvlink_gbps: float
     hbm_gbps: float
     peak_tflops: float
-    attention_efficiency: float = 0.5
-    matmul_efficiency: float = 0.7
+    attention_efficiency: float = 0.73
+    attention_half_block: float = 1024.0
+    matmul_efficiency: float = 0.8
     pcie_gbps: float = 25.0
     host_memory_gib: float = 2048.0
-    intra_latency_us: float = 10.0
-    inter_latency_us: float = 20.0
+    intra_latency_us: float = 3.0
+    inter_latency_us: float = 30.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -73,21 +76,29 @@ class HardwareProfile:
         return dataclasses.asdict(self)
 
 
-# Public datasheet figures.  "a100" is LoongTrain's testbed (§6.1: 8 A100-80GB per
-# node, NVLink, 4 HDR 200 Gb/s NICs); "a100-40gb" and "h100-94gb" (4 GPUs per node) are
-# the 4D-estimator paper's machines.  Network layouts of DGX H100 / HGX H200: 8 NDR
-# 400 Gb/s NICs per node.  Memory is what the driver reports, in GiB.
+# Datasheet figures and the measurements cited in docs/estimator.md.  "a100" is LoongTrain's
+# testbed (§6.1: 8 A100-80GB per node, NVLink, 4 HDR 200 Gb/s NICs); "a800" MEMO's (§5.1:
+# NVLink 400 GB/s, InfiniBand 200 GB/s per node, 2 TB host memory, 32 GB/s GPU-CPU);
+# "a100-40gb" and "h100-94gb" (4 GPUs per node) are the 4D-estimator paper's machines.
+# Network layouts of DGX H100 / HGX H200: 8 NDR 400 Gb/s NICs per node.  On Hopper the
+# backend's flash-attn 2 reaches 35 % of peak (FlashAttention-3 paper).  Memory is what the
+# driver reports, in GiB.
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     HardwareProfile("a100", memory_gib=80, gpus_per_node=8, nics_per_node=4, nic_gbps=25,
                     nvlink_gbps=300, hbm_gbps=2039, peak_tflops=312, pcie_gbps=25),
+    HardwareProfile("a800", memory_gib=80, gpus_per_node=8, nics_per_node=8, nic_gbps=25,
+                    nvlink_gbps=200, hbm_gbps=2039, peak_tflops=312, pcie_gbps=32),
     HardwareProfile("a100-40gb", memory_gib=40, gpus_per_node=8, nics_per_node=4, nic_gbps=25,
                     nvlink_gbps=300, hbm_gbps=1555, peak_tflops=312, pcie_gbps=25),
     HardwareProfile("h100", memory_gib=80, gpus_per_node=8, nics_per_node=8, nic_gbps=50,
-                    nvlink_gbps=450, hbm_gbps=3350, peak_tflops=989, pcie_gbps=50),
+                    nvlink_gbps=450, hbm_gbps=3350, peak_tflops=989, pcie_gbps=50,
+                    attention_efficiency=0.35),
     HardwareProfile("h100-94gb", memory_gib=94, gpus_per_node=4, nics_per_node=4, nic_gbps=25,
-                    nvlink_gbps=450, hbm_gbps=3900, peak_tflops=989, pcie_gbps=50),
+                    nvlink_gbps=450, hbm_gbps=3900, peak_tflops=989, pcie_gbps=50,
+                    attention_efficiency=0.35),
     HardwareProfile("h200", memory_gib=140, gpus_per_node=8, nics_per_node=8, nic_gbps=50,
-                    nvlink_gbps=450, hbm_gbps=4800, peak_tflops=989, pcie_gbps=50),
+                    nvlink_gbps=450, hbm_gbps=4800, peak_tflops=989, pcie_gbps=50,
+                    attention_efficiency=0.35),
 )}
 
 FIELDS = tuple(f.name for f in dataclasses.fields(HardwareProfile) if f.name != "name")

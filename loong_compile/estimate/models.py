@@ -157,11 +157,11 @@ class ModelSpec:
         return ((self.layers - self.moe_layers) * dense + self.moe_layers * moe) / self.layers
 
     def attended_pairs(self, seq: int) -> float:
-        """Causal (query, key) pairs per sequence per layer, averaged over layers: s(s+1)/2, and
-        in sliding-window layers w(w+1)/2 + (s - w) w."""
-        full = seq * (seq + 1) / 2
+        """Causal (query, key) pairs per sequence per layer, averaged over layers, counted as
+        LoongTrain and Megatron count FLOPs: s^2/2, and in sliding-window layers w^2/2 + (s - w) w."""
+        full = seq * seq / 2
         w = min(self.sliding_window, seq) if self.local_layers else seq
-        local = w * (w + 1) / 2 + (seq - w) * w
+        local = w * w / 2 + (seq - w) * w
         return ((self.layers - self.local_layers) * full + self.local_layers * local) / self.layers
 
     def as_dict(self) -> dict:

@@ -1,11 +1,15 @@
-"""Configuration search: which (dp, cp, hp, placement, inner ring, activation policy) fit, and
-which is fastest.
+"""Configuration search: which (dp, cp, hp, placement, inner ring, activation policy, ZeRO
+stage) fit, and which is fastest.
 
-Every ``dp x cp x hp = gpus`` grid (tp = pp = 1: the backend's mesh) is enumerated with both
-placements and every inner-ring size; each activation policy (MEMO on a grid of ``alpha``
-values) and ZeRO stage is estimated for memory (the 80% rule: ``MemoryBreakdown.verdict``)
-and host memory (memo).  What fits is ranked by predicted throughput (``layer_cost``); what
-does not is kept with the reason.
+Only what ``torch.compile(backend="loong")`` runs is searched: every ``dp x cp x hp = gpus``
+grid (tp = pp = 1: the backend's mesh; tensor and pipeline parallelism stay in ``loong
+estimate``) with both placements and every inner-ring size, the backend's activation
+policies (MEMO on a grid of ``alpha`` values) and ZeRO stages 0-3 over ``dp * cp * hp``
+(FSDP2, ``step.py``).  Each is estimated for memory (the 80% rule:
+``MemoryBreakdown.verdict``) and host memory (memo).  What fits is ranked by predicted
+throughput (``step_cost``); what does not is kept with the reason.  Sliding-window attention
+is refused by 2D-Attention (``passes/attention_2d.py``), so such models are planned on
+``cp = hp = 1`` only.
 """
 
 from __future__ import annotations
@@ -20,8 +24,17 @@ from loong_compile.estimate.memory import (
     MemoryBreakdown, MemoryOptions, ParallelConfig, category_bytes, estimate_memory,
 )
 from loong_compile.estimate.models import ModelSpec
+from loong_compile.estimate.step import StepCost, step_cost
 
 BACKEND_POLICIES = ("none", "sc++", "memo")   # the policies the backend's `activations` option has
+ZERO_STAGES = (0, 1, 2, 3)
+# How each ZeRO stage is run around the compiled blocks (examples/training.py runs 0 and 3).
+ZERO_LAUNCH = {
+    0: "gradients all-reduced over all ranks (examples/training.py without --fsdp)",
+    1: "torch.distributed.optim.ZeroRedundancyOptimizer over all ranks, gradients all-reduced",
+    2: "fully_shard(block, mesh=world, reshard_after_forward=False) per block",
+    3: "fully_shard(block, mesh=world) per block (examples/training.py --fsdp)",
+}
 
 
 def divisors(n: int) -> list[int]:
@@ -39,12 +52,16 @@ class Candidate:
     zero: int
     memory: MemoryBreakdown
     cost: LayerCost
-    layers: int
+    step: StepCost
 
     @property
     def step_s(self) -> float:
-        """Forward + backward of every layer for one micro-batch per DP replica."""
-        return self.layers * self.cost.total_s
+        """One micro-batch per DP replica: every layer, the LM head, exposed ZeRO collectives."""
+        return self.step.total_s
+
+    @property
+    def mfu(self) -> float:
+        return self.step.mfu
 
     @property
     def tokens_per_gpu_s(self) -> float:
@@ -59,6 +76,17 @@ class Candidate:
             out["alpha"] = self.alpha
         return out
 
+    def launch(self, model_flag: str = "examples/train_llama.py") -> str:
+        """A torchrun line for the examples' trainer with these options (flags are the
+        LoongConfig keys), and how the ZeRO stage is run."""
+        gpus = self.config.gpus
+        nodes = f"--nnodes {gpus // 8} --nproc-per-node 8" if gpus > 8 and gpus % 8 == 0 else \
+            f"--nproc-per-node {gpus}"
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.options.items())
+        fsdp = " --fsdp" if self.zero == 3 else ""
+        return (f"torchrun {nodes} {model_flag} --seq {self.config.seq} --batch {self.config.micro_batch} "
+                f"{flags}{fsdp}  # ZeRO-{self.zero}: {ZERO_LAUNCH[self.zero]}")
+
     def describe(self) -> dict:
         return {"dp": self.config.dp, "cp": self.config.cp, "hp": self.config.hp,
                 "placement": self.placement, "inner_ring": self.config.inner_ring,
@@ -66,8 +94,8 @@ class Candidate:
 
     def to_dict(self) -> dict:
         return {**self.describe(), "memory": self.memory.to_dict(), "cost": self.cost.to_dict(),
-                "step_s": self.step_s, "tokens_per_gpu_s": self.tokens_per_gpu_s,
-                "options": self.options}
+                "step": self.step.to_dict(), "step_s": self.step_s, "mfu": self.mfu,
+                "tokens_per_gpu_s": self.tokens_per_gpu_s, "options": self.options, "launch": self.launch()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +137,11 @@ def _grids(model: ModelSpec, seq: int, gpus: int, placements, pruned: list[Prune
         for cp in divisors(gpus // hp):
             dp = gpus // (hp * cp)
             grid = {"dp": dp, "cp": cp, "hp": hp}
+            if model.local_layers and hp * cp > 1:
+                pruned.append(Pruned(grid, f"backend: 2D-Attention refuses sliding-window attention "
+                                           f"({model.local_layers} layers of {model.name} use a "
+                                           f"{model.sliding_window}-token window); only cp = hp = 1 runs"))
+                continue
             if model.heads % hp:
                 pruned.append(Pruned(grid, f"heads: d_hp={hp} does not divide the {model.heads} heads"))
                 continue
@@ -125,7 +158,7 @@ def _grids(model: ModelSpec, seq: int, gpus: int, placements, pruned: list[Prune
 
 def plan(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, *,
          policies: tuple[str, ...] = BACKEND_POLICIES, alphas: tuple[float, ...] = (0.0, 0.5, 1.0),
-         zero_stages: tuple[int, ...] = (1,), micro_batch: int = 1,
+         zero_stages: tuple[int, ...] = ZERO_STAGES, micro_batch: int = 1,
          placements: tuple[str, ...] = PLACEMENTS,
          memory_options: MemoryOptions | None = None) -> Plan:
     """Enumerate, prune and rank.  ``memory_options`` supplies the switches and overheads
@@ -167,8 +200,8 @@ def plan(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, *,
                         offload = sizes["input"] + sizes["attention"] + alpha * sizes["other"]
                     cost = layer_cost(model, config, placement, hardware, policy, alpha or 0.0,
                                       offload, options.dtype_bytes)
-                    ranked.append(Candidate(config, placement, policy, alpha, zero, memory, cost,
-                                            model.layers))
+                    step = step_cost(model, config, cost, zero, hardware)
+                    ranked.append(Candidate(config, placement, policy, alpha, zero, memory, cost, step))
     ranked = _drop_dominated_rings(ranked, pruned)
     ranked.sort(key=lambda x: (-x.tokens_per_gpu_s, x.memory.estimate_gib, placements.index(x.placement)))
     return Plan(model, seq, gpus, hardware, tuple(ranked), tuple(pruned))
@@ -181,7 +214,7 @@ def _drop_dominated_rings(ranked: list[Candidate], pruned: list[Pruned]) -> list
     for c in sorted(ranked, key=lambda x: x.config.inner_ring):
         key = tuple(v for k, v in c.describe().items() if k != "inner_ring")
         best = fastest.get(key)
-        if best is not None and c.cost.total_s >= best.cost.total_s * (1 - 1e-9):
+        if best is not None and c.step_s >= best.step_s * (1 - 1e-9):
             pruned.append(Pruned(c.describe(), f"dominated: no faster than inner_ring={best.config.inner_ring}"))
             continue
         fastest[key] = c
