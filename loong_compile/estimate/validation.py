@@ -180,31 +180,49 @@ def published_reference(model: ModelSpec, seq: int, gpus: int) -> tuple[float, s
     return None
 
 
-def _markdown(cells: list[Cell], with_note: bool) -> str:
-    lines = ["| configuration | published MFU | predicted MFU | error |" + (" configurations |" if with_note else ""),
-             "|---|---|---|---|" + ("---|" if with_note else "")]
+def _loongtrain_markdown(cells: list[Cell]) -> str:
+    """One row per (model, d_cp, d_hp, policy, placement); per sequence length 'published /
+    predicted (error)'."""
+    rows: dict[str, list[Cell]] = {}
     for c in cells:
-        lines.append(f"| {c.label} | {c.published:.3f} | {c.predicted:.3f} | {c.error:+.1%} |"
-                     + (f" {c.note} |" if with_note else ""))
+        model, seq, cp, hp, policy, placement = c.label.split()
+        rows.setdefault(f"{model} | {cp[3:]} | {hp[3:]} | {policy} | {placement}", []).append(c)
+    lines = ["| model | d_cp | d_hp | policy | placement | " + " | ".join(f"{s // 1024}K" for s in LOONGTRAIN_SEQS)
+             + " |", "|---|---|---|---|---|" + "---|" * len(LOONGTRAIN_SEQS)]
+    for key, row in rows.items():
+        lines.append(f"| {key} | " + " | ".join(f"{c.published:.3f} / {c.predicted:.3f} ({c.error:+.0%})"
+                                                 for c in row) + " |")
+    return "\n".join(lines) + "\n" + _summary(cells)
+
+
+def _summary(cells: list[Cell]) -> str:
     worst = max(cells, key=lambda c: abs(c.error))
     mean = sum(abs(c.error) for c in cells) / len(cells)
-    lines.append(f"\nLargest error: {worst.error:+.1%} ({worst.label}); mean |error| {mean:.1%} over "
-                 f"{len(cells)} cells.")
-    return "\n".join(lines)
+    return (f"\nLargest error: {worst.error:+.1%} ({worst.label}); mean |error| {mean:.1%} over "
+            f"{len(cells)} cells.")
 
 
 def main() -> int:
     cells = loongtrain_cells()
-    print("### LoongTrain Table 3 (64 A100s)\n")
-    print(_markdown(cells, with_note=False))
+    print("### LoongTrain Table 3 (64 A100s): published / predicted MFU (error)\n")
+    print(_loongtrain_markdown(cells))
+    for model in LOONGTRAIN_TABLE_3:
+        print(f"{model}:" + _summary([c for c in cells if c.label.startswith(model)]))
     print("\n| model, S, policy | published best (cp, hp, placement) | predicted best |\n|---|---|---|")
     agreements = loongtrain_best_agrees(cells)
     for key, published, predicted in agreements:
         print(f"| {key} | {published} | {predicted} |")
     same = sum(p == q for _, p, q in agreements)
     print(f"\nPredicted best = published best in {same} of {len(agreements)} groups.")
-    print("\n### MEMO Tables 3 and 7 (A800s)\n")
-    print(_markdown(memo_cells(), with_note=True))
+    print("\n### MEMO Tables 3 and 7 (A800s): the planner's best against MEMO's\n")
+    memo = memo_cells()
+    lines = ["| workload | published MFU | predicted MFU | error | MEMO's configuration (Table 7) | planner's best |",
+             "|---|---|---|---|---|---|"]
+    for c in memo:
+        theirs, ours = c.note.split("; planner: ")
+        lines.append(f"| {c.label} | {c.published:.3f} | {c.predicted:.3f} | {c.error:+.1%} | "
+                     f"{theirs.removeprefix('MEMO: ')} | {ours} |")
+    print("\n".join(lines) + "\n" + _summary(memo))
     return 0
 
 
