@@ -102,3 +102,12 @@ def test_gemma3_multimodal_config_reads_its_text_part():
 def test_unknown_or_incomplete_configs_are_refused(config, named):
     with pytest.raises(LoongConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
         spec_from_config(config, "x")
+
+
+def test_unreadable_config_files_name_the_file(tmp_path):
+    with pytest.raises(LoongConfigError, match="model config .*missing.json' does not exist"):
+        load_model(str(tmp_path / "missing.json"))
+    listed = tmp_path / "listed.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(LoongConfigError, match="holds list"):
+        load_model(str(listed))

@@ -10,10 +10,10 @@ file.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from loong_compile.errors import LoongConfigError
+from loong_compile.estimate.json_input import read_json_object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,17 +132,7 @@ def load_hardware(name_or_path: str, **overrides: float) -> HardwareProfile:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise LoongConfigError(f"hardware profile {str(path)!r} does not exist", None,
-                               "pass the path of an existing JSON profile") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise LoongConfigError(f"hardware profile {str(path)!r} is not readable JSON ({exc})",
-                               None, "fix the JSON file") from None
-    if not isinstance(data, dict):
-        raise LoongConfigError(f"hardware profile {str(path)!r} holds {type(data).__name__}",
-                               "a profile is a JSON object of fields", "write {\"memory_gib\": ...}")
+    data = read_json_object(path, "hardware profile", 'a JSON object of profile fields, e.g. {"memory_gib": 80, ...}')
     unknown = sorted(set(data) - set(FIELDS) - {"name"})
     if unknown:
         raise LoongConfigError(f"hardware profile {str(path)!r}: unknown field(s) {', '.join(unknown)}",

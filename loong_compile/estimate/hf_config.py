@@ -8,10 +8,10 @@ it: a wrong parameter count would be silently wrong memory.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from loong_compile.errors import LoongConfigError
+from loong_compile.estimate.json_input import read_json_object
 from loong_compile.estimate.models import ModelSpec
 
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -134,16 +134,6 @@ def spec_from_config(config: dict, name: str) -> ModelSpec:
 
 
 def spec_from_hf_config(path: Path) -> ModelSpec:
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise LoongConfigError(f"model config {str(path)!r} does not exist", None,
-                               "pass the path of an existing config.json") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise LoongConfigError(f"model config {str(path)!r} is not readable JSON ({exc})", None,
-                               "pass a Hugging Face config.json") from None
-    if not isinstance(config, dict):
-        raise LoongConfigError(f"model config {str(path)!r} holds {type(config).__name__}",
-                               "a config.json is a JSON object", "pass a Hugging Face config.json")
+    config = read_json_object(path, "model config", "a Hugging Face config.json")
     name = path.stem if path.stem != "config" else path.parent.name or "config"
     return spec_from_config(config, name)
