@@ -11,10 +11,11 @@ from loong_compile.estimate.memory import (
 )
 from loong_compile.estimate.models import PRESETS, ModelSpec, load_model
 from loong_compile.estimate.search import Candidate, Plan, Pruned, plan
+from loong_compile.estimate.step import StepCost, step_cost
 
 __all__ = [
     "AttentionCost", "Candidate", "HardwareProfile", "LayerActivations", "LayerCost", "MemoryBreakdown",
     "MemoryOptions", "ModelSpec", "PRESETS", "PROFILES", "ParallelConfig", "Plan", "Pruned", "SavedTensor",
     "Term", "attention_cost", "category_bytes", "estimate_memory", "layer_activations", "layer_cost",
-    "load_hardware", "load_model", "memory_terms", "plan",
+    "load_hardware", "load_model", "memory_terms", "plan", "StepCost", "step_cost",
 ]
