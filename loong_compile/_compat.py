@@ -25,6 +25,26 @@ def resolve_process_group(group_name: str):
     return _resolve_process_group(group_name)
 
 
+# --- Dynamo: the module being compiled (passes/model_facts.py) -------------------
+
+def dynamo_frame_self():
+    """The ``self`` of the frame Dynamo is compiling when a backend is called, or None.
+
+    Model code decides some things from Python values Dynamo never puts in the graph (a
+    sliding window it skips because the local sequence is short, a RoPE variant chosen by
+    length); the attention pass reads them from the module.  Dynamo's instruction
+    translator of the current frame is a private API.  Checked against torch 2.13.
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except (ImportError, AttributeError, AssertionError, IndexError):
+        return None
+    frame_self = getattr(tx, "f_locals", {}).get("self") if tx is not None else None
+    return frame_self if isinstance(frame_self, torch.nn.Module) else None
+
+
 # PyTorch's flash-attention kernels (ops/kernels.py): the only aten ops that
 # return the log-sum-exp that ring attention merges on.  Checked: torch 2.13
 # (the CPU kernel takes float64/float32/bfloat16 and fewer KV heads than Q heads).

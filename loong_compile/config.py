@@ -43,7 +43,11 @@ class LoongConfig:
     dump_dir: write graphs and reports here (per rank, per graph, per stage).
     disable_passes: names of passes to skip.
     lowering: ``inductor``; ``aot_eager`` / ``eager`` for debugging.
-    strict: raise on any attention call that cannot be distributed, instead of falling back.
+    allow_graphs_without_attention: let a multi-rank graph with no attention call run on each
+        rank's tokens alone.  Off by default: the token analysis cannot see inside opaque ops, so a
+        graph whose attention the backend did not recognise would otherwise run locally, wrong.
+    token_local_ops: names of custom ops (``"namespace::name"``) that compute every token on its
+        own (e.g. a fused RMSNorm); any other custom op on token data is refused under hp*cp > 1.
     rank_check_timeout: seconds a rank waits for the others to confirm they compiled the same
         graph before its first collective (then it raises instead of hanging).
     """
@@ -63,7 +67,8 @@ class LoongConfig:
     dump_dir: str | None = None
     disable_passes: tuple[str, ...] = ()
     lowering: str = "inductor"
-    strict: bool = False
+    allow_graphs_without_attention: bool = False
+    token_local_ops: tuple[str, ...] = ()
     rank_check_timeout: float = 300.0
 
     def __post_init__(self) -> None:
@@ -117,7 +122,7 @@ def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
 
 def _coerce(key: str, value: Any, from_env: bool = False) -> Any:
     """Turn environment strings and lists into the field's type; leave other values to _check."""
-    if key == "disable_passes":
+    if key in ("disable_passes", "token_local_ops"):
         if isinstance(value, str):
             value = [v for v in value.replace(",", " ").split() if v]
         if isinstance(value, (list, tuple, set, frozenset)):
@@ -135,7 +140,7 @@ def _coerce(key: str, value: Any, from_env: bool = False) -> Any:
         return _parse(key, value, float, "a number of seconds > 0")
     if key == "alpha":
         return value if value == "auto" else _parse(key, value, float, '"auto" or a float in [0, 1]')
-    if key in ("memory_plan", "strict"):
+    if key in ("memory_plan", "allow_graphs_without_attention"):
         lowered = value.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
             return True
@@ -192,7 +197,7 @@ def _check(key: str, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise bad("resident_layers must be an integer >= 0",
                       "pass resident_layers=2 (MEMO's default) or another count of layers")
-    elif key in ("memory_plan", "strict"):
+    elif key in ("memory_plan", "allow_graphs_without_attention"):
         if not isinstance(value, bool):
             raise bad(f"{key} must be True or False", f"pass {key}=True or {key}=False")
     elif key in ("solver_time_limit", "rank_check_timeout"):
@@ -205,3 +210,7 @@ def _check(key: str, value: Any) -> None:
         if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
             raise bad("disable_passes must be a list of pass names",
                       'pass e.g. disable_passes=["attention_2d"]')
+    elif key == "token_local_ops":
+        if not isinstance(value, tuple) or not all(isinstance(v, str) and "::" in v for v in value):
+            raise bad('token_local_ops must be a list of op names "namespace::name"',
+                      'pass e.g. token_local_ops=["liger::rms_norm"]')

@@ -42,3 +42,8 @@ class LoongUnsupportedError(LoongError):
 
 class LoongRankMismatchError(LoongError, RuntimeError):
     """Ranks compiled different graphs or configs; continuing would hang or be wrong."""
+
+
+class LoongTokenMixingError(LoongUnsupportedError):
+    """Under hp*cp > 1, a computation mixes tokens (or decides from the sequence length) on a
+    rank's local tokens, where it would differ from one process on the full sequence."""

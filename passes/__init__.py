@@ -14,9 +14,11 @@ def library_passes() -> list:
     from loong_compile.passes.memory_plan import MemoryPlanPass
     from loong_compile.passes.offload import OffloadPass
     from loong_compile.passes.recompute import TokenSliceRecomputePass
+    from loong_compile.passes.token_locality import TokenLocalityPass
 
     return [
         Attention2DPass(),
+        TokenLocalityPass(),
         SelectiveCheckpointPass(),
         ActivationsPass(),
         TokenSliceRecomputePass(),

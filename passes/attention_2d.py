@@ -5,35 +5,40 @@ Contract
 stage:    dynamo (torch IR, before AOTAutograd)
 applies:  when ``hp * cp > 1``
 matches:  ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
-          enable_gqa)`` and flash-attn's ``flash_attn_func`` (when installed); KV heads repeated
-          before the call by ``repeat_kv`` (``x[:, :, None].expand(...).reshape(...)``) or
+          enable_gqa)`` and flash-attn's ``flash_attn_func`` (when installed), in the graph and in
+          the bodies of activation checkpointing; KV heads repeated before the call by
+          ``repeat_kv`` (``x[:, :, None].expand(...).reshape(...)``) or
           ``repeat_interleave(n, dim=1)``.
 emits:    one ``loong_compile.ops.attention_2d`` call per site, on the un-repeated KV, with the
           mesh's group names as constant arguments; it traces into the seq all-to-all and
           Double-Ring custom ops under AOTAutograd.
-refuses:  an ``attn_mask``, ``dropout_p > 0``, or anything else that 2D-Attention cannot compute
-          exactly: a ``LoongUnsupportedError`` naming the node, its source line and the reason,
-          with or without ``strict`` (computing such a call on a rank's local tokens alone would
-          be wrong over a sharded sequence).  ``strict=True`` also refuses a multi-rank graph
-          with no attention at all, which otherwise gets a warning.
+refuses:  (``LoongUnsupportedError`` naming the node, its source line, the reason and the fix)
+          an ``attn_mask`` (saying what built it: padding, transformers' packed-sequence
+          detection, a local causal mask), ``dropout_p > 0``, attention inside another
+          higher-order op's body; (``LoongTokenMixingError``) a causal call whose module has a
+          sliding window shorter than the global sequence (transformers dropped the window
+          because it saw only the local length), a RoPE that changes with the sequence length
+          beyond its threshold.
 reports:  each rewritten site (source line, module, heads, KV heads, un-repeated or not, causal,
-          scale, mesh sizes); a warning when a multi-rank graph has no attention at all.
+          scale, window checked, mesh sizes, the HOP body it sits in).
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import operator
-import warnings
 from typing import Any
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 
-from loong_compile.errors import LoongUnsupportedError
+from loong_compile.errors import LoongTokenMixingError, LoongUnsupportedError
 from loong_compile.ops import attention_2d
+from loong_compile.passes import model_facts
 from loong_compile.passes.base import PassContext
+from loong_compile.passes.subgraphs import graph_scopes
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -43,6 +48,9 @@ FLASH_PARAMS = ("q", "k", "v", "dropout_p", "softmax_scale", "causal")
 FLASH_DEFAULTS = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
                   "softcap": 0.0, "alibi_slopes": None, "deterministic": False,
                   "return_attn_probs": False}
+MASKS_LATER = ("masks are not distributed yet (packed documents, padding and windows: issue 13); "
+               "until then pass no attention_mask, leave use_cache at its default and gradient "
+               "checkpointing off (both make transformers build a mask), or run with hp=cp=1")
 
 
 def flash_attn_targets() -> tuple:
@@ -62,31 +70,50 @@ class Attention2DPass:
         return config.sp > 1
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
-        graph = gm.graph
         flash = flash_attn_targets()
-        sites = [n for n in graph.nodes if n.op == "call_function"
-                 and (n.target in SDPA_TARGETS or n.target in flash)]
-        rewritten = [_rewrite(graph, node, ctx, is_flash=node.target in flash) for node in sites]
-        graph.eliminate_dead_code()
-        graph.lint()
-        gm.recompile()
+        root = model_facts.compiled_module()
+        sites = [(scope, n) for scope in graph_scopes(gm) for n in scope.module.graph.nodes
+                 if n.op == "call_function" and (n.target in SDPA_TARGETS or n.target in flash)]
+        for scope, node in sites:
+            if not scope.inline:
+                _refuse(node, f"it sits inside a {scope.hop} body, whose computation the "
+                              "backend cannot rewrite as a whole",
+                        "call attention outside the higher-order op, or run with hp=cp=1")
+        rewritten = [_rewrite(scope.module.graph, node, ctx, node.target in flash, root)
+                     | {"inside": scope.hop} for scope, node in sites]
+        for module in {id(m): m for m in [gm] + [s.module for s, _ in sites]}.values():
+            module.graph.eliminate_dead_code()
+            module.graph.lint()
+            module.recompile()
         ctx.state[self.name] = [r["node"] for r in rewritten]
-        summary: dict[str, Any] = {"matched": len(sites), "changed": rewritten}
-        if not sites:
-            msg = (f"no attention call found in graph {ctx.graph_id} under hp={ctx.config.hp}, "
-                   f"cp={ctx.config.cp}: nothing is distributed, and every sequence-wise op runs on "
-                   f"this rank's tokens only")
-            if ctx.config.strict:
-                raise LoongUnsupportedError(msg, "strict=True requires every graph under a "
-                                            "multi-rank mesh to contain an attention call it rewrites",
-                                            "check the model calls F.scaled_dot_product_attention "
-                                            "or flash_attn_func, or pass strict=False")
-            summary["warning"] = msg
-            warnings.warn(f"loong_compile: {msg}", stacklevel=2)
+        summary: dict[str, Any] = {"matched": len(sites), "changed": rewritten,
+                                   "model": type(root).__name__ if root is not None else None}
+        rope = _check_rope(root, rewritten, ctx)
+        if rope:
+            summary["rope"] = rope
         return summary
 
 
-def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext, is_flash: bool) -> dict:
+def _check_rope(root, rewritten: list[dict], ctx: PassContext) -> dict | None:
+    rope = model_facts.length_dependent_rope(root)
+    if rope is None or not rewritten:
+        return None
+    rope_type, threshold = rope
+    global_len = rewritten[0]["tokens_per_rank"] * ctx.config.sp
+    if global_len > threshold:
+        raise LoongTokenMixingError(
+            f"{type(root).__name__} uses rope_type={rope_type!r} with threshold {threshold} at a "
+            f"global sequence of {global_len} tokens",
+            "this RoPE picks its frequencies from the sequence length (or the largest position) "
+            "it sees, which under hp*cp > 1 is a rank's share: ranks would disagree with one "
+            "process", "use a RoPE that does not depend on the length (e.g. rope_type='linear' "
+            "or 'yarn' with fixed factors), keep the sequence within "
+            f"{threshold} tokens, or run with hp=cp=1")
+    return {"rope_type": rope_type, "threshold": threshold, "global_len": global_len}
+
+
+def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext, is_flash: bool,
+             root: torch.nn.Module | None) -> dict:
     args = _bind(node, FLASH_PARAMS if is_flash else SDPA_PARAMS,
                  FLASH_DEFAULTS if is_flash else SDPA_DEFAULTS)
     if is_flash:
@@ -97,10 +124,7 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext, is_fl
         q, k, v = args["query"], args["key"], args["value"]
         causal, scale = args["is_causal"], args["scale"]
         if args["attn_mask"] is not None:
-            _refuse(node, "it has an attn_mask; 2D-Attention computes causal or full attention "
-                          "only, and a mask over a sharded sequence cannot be applied per rank",
-                    "drop the mask and pass is_causal=True (for a causal model), or run this "
-                    "model with hp=cp=1")
+            _refuse(node, f"it has an attn_mask, {_mask_cause(args['attn_mask'])}", MASKS_LATER)
     if not (isinstance(args["dropout_p"], (int, float)) and args["dropout_p"] == 0):
         _refuse(node, f"dropout_p={args['dropout_p']!r}; attention dropout over a sharded "
                       "sequence would not equal one process's",
@@ -108,6 +132,8 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext, is_fl
     if not isinstance(causal, bool) or not (scale is None or isinstance(scale, (int, float))):
         _refuse(node, f"is_causal={causal!r} / scale={scale!r} are not constants",
                 "pass Python bool/float values")
+    tokens = _shape(q)[1 if is_flash else 2]
+    window = _check_window(node, root, causal, tokens, ctx.config.sp)
 
     k_unrepeated, v_unrepeated = _unrepeated_kv(k), _unrepeated_kv(v)
     unrepeat = (k_unrepeated is not None and v_unrepeated is not None
@@ -132,11 +158,49 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext, is_fl
     return {
         "node": new.name, "replaced": node.name, "source": _source_line(node),
         "module": _module_path(node), "heads": _heads(q), "kv_heads": _heads(k),
-        "kv_unrepeated": unrepeat, "is_causal": causal,
+        "kv_unrepeated": unrepeat, "is_causal": causal, "tokens_per_rank": tokens,
+        "sliding_window": window,
         "scale": kwargs["scale"] if scale is not None else 1 / math.sqrt(_head_dim(q)),
         "hp": ctx.config.hp, "cp": ctx.config.cp, "inner_ring": ctx.config.inner_ring,
         "placement": ctx.config.placement,
     }
+
+
+def _check_window(node: torch.fx.Node, root, causal: bool, tokens: int, sp: int) -> int | None:
+    """Refuse a call whose module has a window shorter than the global sequence.
+
+    The call reached us without a mask, so the model decided no window was needed: it saw only
+    this rank's tokens.  A window at least as long as the global sequence changes nothing."""
+    window = model_facts.sliding_window(model_facts.module_of(root, node), root)
+    if window is not None and window < tokens * sp:
+        _refuse(node, f"its module has sliding_window={window} but the call has no mask "
+                      f"(is_causal={causal}): the model dropped the window because it saw only "
+                      f"this rank's {tokens} tokens, while the sequence has {tokens * sp}",
+                "windows are not distributed yet (issue 13): set sliding_window=None (or >= the "
+                "sequence length) in the config to train with full causal attention, or run with "
+                "hp=cp=1", error=LoongTokenMixingError)
+    return window
+
+
+def _mask_cause(mask: Any) -> str:
+    """What built an attention mask, from the graph inputs and ops it comes from."""
+    seen, todo, ops = set(), [mask], set()
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and "attention_mask" in n.name and n.meta.get("grapharg"):
+            return "built from the attention_mask passed to the model (padding)"
+        ops.add(n.target if isinstance(n.target, str) else getattr(n.target, "__name__", ""))
+        todo.extend(n.all_input_nodes)
+    if "diff" in ops:
+        return ("built by transformers from position_ids: it treats positions that do not "
+                "increase by one as packed documents (under torch.compile it does so whenever "
+                "use_cache=False or gradient checkpointing is on)")
+    if "attention_mask" in getattr(mask, "name", ""):
+        return "passed into this block from outside (a mask built by the model)"
+    return "built by the model over this rank's tokens"
 
 
 def _fake_attention(q, k, v, kwargs: dict) -> Any:
@@ -164,8 +228,8 @@ def _refuse_flash_extras(node: torch.fx.Node, args: dict[str, Any]) -> None:
                     f"leave {key} at its default {FLASH_DEFAULTS[key]!r}")
 
 
-def _refuse(node: torch.fx.Node, reason: str, fix: str) -> None:
-    raise LoongUnsupportedError(
+def _refuse(node: torch.fx.Node, reason: str, fix: str, error=LoongUnsupportedError) -> None:
+    raise error(
         f"attention call {node.name} at {_source_line(node)} (module {_module_path(node)})",
         f"it cannot be distributed exactly: {reason}", fix)
 
@@ -262,14 +326,16 @@ def _copy_meta(src: torch.fx.Node, dst: torch.fx.Node) -> None:
 
 
 def _source_line(node: torch.fx.Node) -> str:
+    """The innermost frame of the node's stack trace outside torch itself, and its code."""
     trace = node.meta.get("stack_trace") or ""
     lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
-    # the last "File ..., line N" frame and the code under it
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File "):
-            code = lines[i + 1] if i + 1 < len(lines) else ""
-            return f"{lines[i]}: {code}".strip()
-    return "<unknown source>"
+    frames = [(lines[i], lines[i + 1] if i + 1 < len(lines) else "")
+              for i in range(len(lines)) if lines[i].startswith("File ")]
+    outside = [f for f in frames if _TORCH_DIR not in f[0]] or frames
+    return f"{outside[-1][0]}: {outside[-1][1]}".strip() if outside else "<unknown source>"
+
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
 
 
 def _module_path(node: torch.fx.Node) -> str:

@@ -14,3 +14,24 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+class FakeMesh:
+    """What the attention pass reads of a mesh: the constant arguments of attention_2d."""
+
+    def attention_kwargs(self):
+        return {"hp": 2, "cp": 2, "inner_ring": 1, "hp_group": "g_hp", "kv_inner_group": "",
+                "kv_outer_group": "g_out", "dkv_inner_group": "", "dkv_outer_group": "g_dout"}
+
+
+def dynamo_graph(fn, *inputs):
+    """The FX graph Dynamo captures for fn (with its fake-tensor metadata)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(fn, backend=capture, fullgraph=True)(*inputs)
+    (gm,) = graphs
+    return gm

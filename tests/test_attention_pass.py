@@ -8,29 +8,9 @@ from loong_compile import LoongConfig, LoongUnsupportedError
 from loong_compile.ops import attention_2d
 from loong_compile.passes.attention_2d import Attention2DPass
 from loong_compile.passes.base import PassContext
+from conftest import FakeMesh, dynamo_graph
 
 B, H, HKV, S, D = 2, 4, 2, 8, 16
-
-
-class FakeMesh:
-    """What the pass reads of a mesh: the constant arguments of attention_2d."""
-
-    def attention_kwargs(self):
-        return {"hp": 2, "cp": 2, "inner_ring": 1, "hp_group": "g_hp", "kv_inner_group": "",
-                "kv_outer_group": "g_out", "dkv_inner_group": "", "dkv_outer_group": "g_dout"}
-
-
-def dynamo_graph(fn, *inputs):
-    """The FX graph Dynamo captures for fn (with its fake-tensor metadata)."""
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch.compile(fn, backend=capture, fullgraph=True)(*inputs)
-    (gm,) = graphs
-    return gm
 
 
 def run_pass(gm, **config):
@@ -130,17 +110,46 @@ def test_dropout_is_refused():
         run_pass(gm)
 
 
-def test_no_attention_warns_and_reports():
-    gm = dynamo_graph(lambda x: x.cumsum(1), torch.randn(2, 8))
-    with pytest.warns(UserWarning, match="no attention call found"):
+def test_attention_inside_activation_checkpointing_is_rewritten():
+    def layer(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
+
+    def fn(q, k, v):
+        return torch.utils.checkpoint.checkpoint(layer, q, k, v, use_reentrant=False)
+
+    gm = dynamo_graph(fn, *qkv(kv_heads=H))
+    summary, _ = run_pass(gm)
+    assert summary["matched"] == 1 and summary["changed"][0]["inside"] == "tag_activation_checkpoint"
+    bodies = [m for m in gm.modules() if m is not gm and isinstance(m, torch.fx.GraphModule)]
+    assert sum(len(calls(m, attention_2d)) for m in bodies) == 1
+    assert not any(n.target is F.scaled_dot_product_attention for m in bodies for n in m.graph.nodes)
+
+
+class Windowed(torch.nn.Module):
+    """An attention module with transformers' attribute, called without a mask."""
+
+    def __init__(self, window):
+        super().__init__()
+        self.sliding_window = window
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("window,refused", [(8, True), (31, True), (32, False), (None, False)])
+def test_window_shorter_than_the_global_sequence_is_refused(window, refused, monkeypatch):
+    from loong_compile.errors import LoongTokenMixingError
+    from loong_compile.passes import model_facts
+
+    module = Windowed(window)
+    gm = dynamo_graph(module, *qkv(kv_heads=H))  # S=8 per rank, 32 over hp*cp=4 ranks
+    monkeypatch.setattr(model_facts, "compiled_module", lambda: module)
+    if refused:
+        with pytest.raises(LoongTokenMixingError, match=f"sliding_window={window}.*32"):
+            run_pass(gm)
+    else:
         summary, _ = run_pass(gm)
-    assert summary["matched"] == 0 and "no attention call found" in summary["warning"]
-
-
-def test_no_attention_is_an_error_under_strict():
-    gm = dynamo_graph(lambda x: x.cumsum(1), torch.randn(2, 8))
-    with pytest.raises(LoongUnsupportedError, match="no attention call found.*strict=True"):
-        run_pass(gm, strict=True)
+        assert summary["changed"][0]["sliding_window"] == window
 
 
 def test_pass_applies_only_when_the_sequence_is_split():

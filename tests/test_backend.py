@@ -194,9 +194,9 @@ def test_explain_splits_model_kwargs_from_options():
             return x * scale
 
     report = lc.explain(WithKwarg(), torch.ones(2), scale=torch.tensor(3.0), lowering="eager",
-                        options={"strict": True})
+                        options={"allow_graphs_without_attention": True})
     config = report.graphs[0].config
-    assert config["strict"] is True and config["lowering"] == "eager"
+    assert config["allow_graphs_without_attention"] is True and config["lowering"] == "eager"
 
 
 def test_explain_reports_the_backward_too(monkeypatch):

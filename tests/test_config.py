@@ -8,7 +8,7 @@ GOOD = {
     "hp": 2, "cp": 4, "placement": "context_first", "inner_ring": 2, "activations": "memo",
     "alpha": 0.25, "host_bandwidth": 12e9, "host_memory": 64 * 2**30, "layer_time": 0.004,
     "resident_layers": 0, "memory_plan": True, "solver_time_limit": 3.5, "dump_dir": "out/",
-    "disable_passes": ("attention_2d",), "lowering": "aot_eager", "strict": True,
+    "disable_passes": ("attention_2d",), "lowering": "aot_eager", "allow_graphs_without_attention": True,
     "rank_check_timeout": 30.0,
 }
 
@@ -28,7 +28,7 @@ BAD = {
     "dump_dir": [3],
     "disable_passes": [[1, 2]],
     "lowering": ["aot_inductor"],
-    "strict": [0, "true"],
+    "allow_graphs_without_attention": [0, "true"],
     "rank_check_timeout": [0, -1, "soon"],
 }
 
@@ -92,7 +92,7 @@ def test_environment_sets_every_key():
                               activations="sc++", alpha=0.5, host_bandwidth=2.5e10,
                               host_memory=1e9, layer_time="auto", resident_layers=1, memory_plan=True,
                               solver_time_limit=2.0, dump_dir="/tmp/d", disable_passes=("a", "b"),
-                              lowering="eager", strict=True, rank_check_timeout=20.0)
+                              lowering="eager", allow_graphs_without_attention=True, rank_check_timeout=20.0)
     assert {f"LOONG_{f.name.upper()}" for f in dataclasses.fields(LoongConfig)} <= set(ENV)
 
 

@@ -55,8 +55,8 @@ def _compile_and_run(options, x, model=None):
 def scenarios(rank: int, world: int) -> dict[str, tuple[str, bool]]:
     x = torch.randn(2, 4, 16)  # 4 local tokens of a 16-token sequence on hp*cp = 4
     out = {}
-    # options differ across ranks: strict on rank 0 only
-    out["config_mismatch"] = _error_of(lambda: _compile_and_run({"cp": 4, "strict": rank == 0}, x))
+    # options differ across ranks: allow_graphs_without_attention on rank 0 only
+    out["config_mismatch"] = _error_of(lambda: _compile_and_run({"cp": 4, "allow_graphs_without_attention": rank == 0}, x))
     out["config_mismatch_ok"] = _still_in_step()
     # the mesh asked for differs across ranks (groups would never match)
     out["mesh_mismatch"] = _error_of(lambda: lc.init_mesh(
@@ -67,8 +67,8 @@ def scenarios(rank: int, world: int) -> dict[str, tuple[str, bool]]:
     out["seq_not_divisible_ok"] = _still_in_step()
     mesh = lc.init_mesh(hp=2, cp=2)
     out["shard_not_divisible"] = _error_of(lambda: lc.shard_batch(torch.zeros(1, 20, dtype=torch.long), None, mesh))
-    # a mask under strict (and without: never computed locally)
-    out["mask_strict"] = _error_of(lambda: _compile_and_run({"cp": 4, "strict": True}, x, Attention(True)))
+    # a mask: never computed locally
+    out["mask"] = _error_of(lambda: _compile_and_run({"cp": 4}, x, Attention(True)))
     out["mask_default"] = _error_of(lambda: _compile_and_run({"cp": 4}, x, Attention(True)))
     out["mask_ok"] = _still_in_step()
     # hp*cp does not divide the world
@@ -112,11 +112,11 @@ def results():
 
 
 EXPECTED = {
-    "config_mismatch": ("LoongRankMismatchError", ["options: strict=", "fix:"]),
+    "config_mismatch": ("LoongRankMismatchError", ["options: allow_graphs_without_attention=", "fix:"]),
     "mesh_mismatch": ("LoongRankMismatchError", ["placement", "mesh"]),
     "seq_not_divisible": ("LoongShapeError", ["sequence length 20", "multiple of 2*cp*hp = 8", "fix: pad or trim"]),
     "shard_not_divisible": ("LoongShapeError", ["sequence length 20", "e.g. 24"]),
-    "mask_strict": ("LoongUnsupportedError", ["attn_mask", "test_rank_safety.py", "fix:"]),
+    "mask": ("LoongUnsupportedError", ["attn_mask", "test_rank_safety.py", "fix:"]),
     "mask_default": ("LoongUnsupportedError", ["attn_mask"]),
     "world_not_divisible": ("LoongMeshError", ["world size 4", "multiple of hp*cp", "fix:"]),
     "world_mesh_not_divisible": ("LoongMeshError", ["world size 4"]),

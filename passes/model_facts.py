@@ -1,0 +1,85 @@
+"""What the model decided from the sequence length before Dynamo saw a tensor.
+
+Model code reads the length of the tokens it is given, and under hp*cp > 1 that is a rank's
+local share.  Some decisions never reach the graph: transformers skips a sliding-window mask
+when the (local) length fits the window and emits ``is_causal=True`` instead, and a
+``dynamic`` / ``longrope`` RoPE picks its frequencies from the (local) length.  This module
+reads those settings from the module Dynamo is compiling (``_compat.dynamo_frame_self``) so
+the attention pass can compare them with the *global* length and refuse what differs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from loong_compile import _compat
+
+_PATH_PART = re.compile(r"\.(\w+)|\[(\d+)\]|\['([^']+)'\]")
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def compiled_module() -> torch.nn.Module | None:
+    """The module whose forward Dynamo is compiling, or None (a plain function)."""
+    return _compat.dynamo_frame_self()
+
+
+def module_of(root: torch.nn.Module | None, node: torch.fx.Node) -> torch.nn.Module | None:
+    """The innermost module a node was traced in (from its ``nn_module_stack``), or None."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if root is None:
+        return None
+    path = str(list(stack.values())[-1][0]) if stack else "L['self']"  # root's own forward
+    if not path.startswith("L['self']"):
+        return None
+    module: Any = root
+    for attr, index, key in _PATH_PART.findall(path[len("L['self']"):]):
+        name = attr or index or key
+        if name == "_modules":
+            continue
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module if isinstance(module, torch.nn.Module) else None
+
+
+def sliding_window(attention: torch.nn.Module | None, root: torch.nn.Module | None) -> int | None:
+    """The sliding window (tokens back, including the query) an attention module applies, or None.
+
+    transformers keeps it on the attention module (``self.sliding_window``: Qwen2/3, Gemma2/3,
+    None on full-attention layers) or only in the config (Mistral, Mixtral, Phi3, Starcoder2).
+    """
+    if attention is not None and hasattr(attention, "sliding_window"):
+        return _positive_int(attention.sliding_window)
+    config = getattr(attention, "config", None) or getattr(root, "config", None)
+    if config is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    layer = getattr(attention, "layer_idx", None)
+    if layer_types and isinstance(layer, int) and layer < len(layer_types) \
+            and layer_types[layer] != "sliding_attention":
+        return None
+    return _positive_int(getattr(config, "sliding_window", None))
+
+
+def length_dependent_rope(root: torch.nn.Module | None) -> tuple[str, int] | None:
+    """``(rope_type, threshold)`` when the model's RoPE changes with the sequence length, or None."""
+    config = getattr(root, "config", None)
+    if config is None:
+        return None
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        return None
+    rope_type = params.get("rope_type", params.get("type"))
+    if rope_type not in LENGTH_DEPENDENT_ROPE:
+        return None
+    threshold = (params.get("original_max_position_embeddings")
+                 or getattr(config, "original_max_position_embeddings", None)
+                 or getattr(config, "max_position_embeddings", None))
+    return rope_type, int(threshold) if threshold else 0
+
+
+def _positive_int(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

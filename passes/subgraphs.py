@@ -1,0 +1,69 @@
+"""Higher-order-op bodies: where in a Dynamo graph attention and token mixing can hide.
+
+Dynamo keeps the body of a higher-order op (activation checkpointing, an ``autograd.Function``,
+``cond``, flex_attention's score and mask functions) in a submodule of the graph module, called
+through the HOP's node.  The passes that must see every call (the attention rewrite, the token
+analysis) walk the top-level graph and every body through ``graph_scopes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx
+
+# Bodies that run exactly as written, once per call, on the operands in order: a rewrite inside
+# them is a rewrite of the model.  (Activation checkpointing replays its body in the backward,
+# with the same collectives on every rank.)
+INLINE_HOPS = ("tag_activation_checkpoint", "wrap")
+
+
+@dataclasses.dataclass
+class Scope:
+    """One graph to search: the top level (``hop`` None) or a HOP body."""
+
+    module: torch.fx.GraphModule
+    hop: str | None = None
+    caller: torch.fx.Node | None = None
+    operands: dict[torch.fx.Node, object] = dataclasses.field(default_factory=dict)
+    """Body placeholder -> the caller's argument it receives (inline HOPs only)."""
+
+    @property
+    def inline(self) -> bool:
+        return self.hop is None or self.hop in INLINE_HOPS
+
+
+def hop_name(node: torch.fx.Node) -> str | None:
+    """The higher-order op a node calls, or None."""
+    if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+        return node.target.name()
+    return None
+
+
+def graph_scopes(gm: torch.fx.GraphModule) -> list[Scope]:
+    """The top-level graph, then every HOP body under it (depth first), each once."""
+    scopes = [Scope(gm)]
+    seen: set[int] = {id(gm)}
+    for scope in scopes:  # grows while iterating: bodies of bodies
+        for node in scope.module.graph.nodes:
+            name = hop_name(node)
+            if name is None:
+                continue
+            bodies = [a for a in node.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+            for attr in bodies:
+                body = getattr(scope.module, attr.target, None)
+                if not isinstance(body, torch.fx.GraphModule) or id(body) in seen:
+                    continue
+                seen.add(id(body))
+                scopes.append(Scope(body, name, node, _operands(body, node, attr, name)))
+    return scopes
+
+
+def _operands(body: torch.fx.GraphModule, caller: torch.fx.Node, attr: torch.fx.Node,
+              name: str) -> dict[torch.fx.Node, object]:
+    if name not in INLINE_HOPS:
+        return {}
+    placeholders = list(body.graph.find_nodes(op="placeholder"))
+    args = list(caller.args[caller.args.index(attr) + 1:])
+    return dict(zip(placeholders, args))

@@ -1,0 +1,405 @@
+"""Refuse token mixing on a rank's local tokens: what runs outside 2D-Attention must be per-token.
+
+Contract
+--------
+stage:    dynamo, after ``attention_2d`` (whose calls are the only token mixing allowed)
+applies:  when ``hp * cp > 1``
+requires: the Dynamo graph's ``example_value`` metadata (static shapes)
+matches:  every node of the graph and of its higher-order-op bodies that reads token data
+          (graph inputs with a token axis and everything computed from them); the token axis is
+          any axis whose size is a multiple of the local token count ``T``, except the trailing
+          feature axis of a floating tensor.
+refuses:  with ``LoongTokenMixingError``, on every rank alike (the graph is the same), before
+          anything runs:
+          - a product of two token tensors over token axes (attention the rewrite did not match);
+          - positions made from the local length (``arange(T)``: ``position_ids`` left out);
+          - moving, selecting, cutting or joining along a token axis (``labels`` shifted inside
+            the model, ``x[:, -1]``, ``cumsum``, ``roll``, ``pad`` ...);
+          - reductions over token axes other than a sum (a local mean is not the global mean),
+            ``cross_entropy`` with ``reduction="mean"``, and nonlinear functions of a token sum
+            (the ranks' sums only add up to the global one);
+          - custom ops on token data not listed in ``token_local_ops``, ``flex_attention``;
+          - a graph with no rewritten attention at all, unless ``allow_graphs_without_attention``
+            (attention the rewrite did not recognise would otherwise run on local tokens).
+          What only reaches the graph's outputs untouched (a KV cache transformers returns) is
+          not refused: it is listed in the report as local values that differ from one process.
+reports:  the local token count, the token inputs found, the nodes checked, the local-only
+          outputs.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from loong_compile.errors import LoongTokenMixingError
+from loong_compile.ops import attention_2d
+from loong_compile.passes.base import PassContext
+from loong_compile.passes.subgraphs import graph_scopes, hop_name
+
+ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "diff", "roll", "flip",
+              "sort", "argsort", "topk", "kthvalue", "index_select", "gather", "take_along_dim",
+              "unfold", "narrow", "split", "chunk", "tensor_split", "unbind", "select", "flatten"}
+REDUCTIONS = {"mean", "nanmean", "amax", "amin", "max", "min", "logsumexp", "softmax",
+              "log_softmax", "var", "std", "norm", "prod", "median", "argmax", "argmin", "any",
+              "all", "nansum"}
+LINEAR = {"add", "sub", "neg", "mul", "truediv", "div", "float", "double", "to", "type",
+          "view", "reshape", "contiguous", "clone", "detach", "getitem", "squeeze", "unsqueeze",
+          "iadd", "isub", "imul", "itruediv"}
+MATMULS = {"matmul", "bmm", "einsum", "baddbmm", "mm"}
+POSITIONS = {"arange", "range", "linspace"}
+LOSSES = {"cross_entropy", "nll_loss"}
+CONVS = {"conv1d", "conv2d", "conv3d", "conv_transpose1d"}
+ALLOWED_HOPS = {"tag_activation_checkpoint", "wrap", "autograd_function_apply"}
+
+
+class TokenLocalityPass:
+    name = "token_locality"
+    stage = "dynamo"
+
+    def enabled(self, config) -> bool:
+        return config.sp > 1
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
+        tokens = local_token_count(gm)
+        if tokens is None:
+            return {"matched": 0, "tokens_per_rank": None}
+        analysis = _Analysis(tokens, set(ctx.config.token_local_ops))
+        for scope in graph_scopes(gm):
+            analysis.scan(scope)
+        local_outputs = [f for f in analysis.findings if _only_returned(f[0], gm.graph)]
+        # the most telling first: unrewritten attention explains the masks and positions around it
+        findings = sorted((f for f in analysis.findings if f not in local_outputs),
+                          key=lambda f: f[1].startswith(tuple(POSITIONS)))
+        if findings:
+            node, reason, fix = findings[0]
+            more = len(findings) - 1
+            raise LoongTokenMixingError(
+                f"{_describe(node)} under hp={ctx.config.hp}, cp={ctx.config.cp} "
+                f"({tokens} tokens per rank){f' (and {more} more)' if more else ''}",
+                f"each rank holds only its share of the sequence, so nothing but the rewritten "
+                f"attention may combine tokens: {reason}", fix)
+        attention = sum(1 for scope in graph_scopes(gm) for n in scope.module.graph.nodes
+                        if n.target is attention_2d)
+        if not attention and not ctx.config.allow_graphs_without_attention:
+            raise LoongTokenMixingError(
+                f"graph {ctx.graph_id} has no attention call the backend rewrites, under "
+                f"hp={ctx.config.hp}, cp={ctx.config.cp}",
+                "a multi-rank graph runs on each rank's tokens alone: attention the backend did "
+                "not recognise (or hidden in an op the analysis cannot see into) would silently "
+                "see only local tokens",
+                "use F.scaled_dot_product_attention (attn_implementation='sdpa'); if this graph "
+                "really computes each token on its own (e.g. a loss head after a graph break), "
+                "pass allow_graphs_without_attention=True")
+        return {"matched": analysis.checked, "tokens_per_rank": tokens, "attention": attention,
+                "token_inputs": analysis.inputs,
+                "local_only_outputs": [f"{n.name}: {reason}" for n, reason, _ in local_outputs]}
+
+
+def local_token_count(gm: torch.fx.GraphModule) -> int | None:
+    """Tokens per rank: the sequence axis of the rewritten attention's queries, else of the first
+    non-parameter input (``(B, T)`` ids or ``(B, T, D)`` states), else None."""
+    for node in gm.graph.nodes:
+        if node.target is attention_2d:
+            return int(_value(node.args[0]).shape[-2])
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = _value(node)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and not _is_weight(node):
+            return int(value.shape[1])
+    return None
+
+
+class _Analysis:
+    def __init__(self, tokens: int, token_local_ops: set[str]):
+        self.tokens = tokens
+        self.token_local_ops = token_local_ops
+        self.tainted: set[torch.fx.Node] = set()
+        self.partial: set[torch.fx.Node] = set()  # sums over this rank's tokens
+        self.findings: list[tuple[torch.fx.Node, str, str]] = []
+        self.inputs: list[str] = []
+        self.checked = 0
+
+    def scan(self, scope) -> None:
+        for node in scope.module.graph.nodes:
+            if node.op == "placeholder":
+                outer = scope.operands.get(node)
+                token = outer in self.tainted if scope.operands else (
+                    not _is_weight(node) and bool(self.axes(node)))
+                if token:
+                    self.tainted.add(node)
+                    if scope.hop is None:
+                        self.inputs.append(node.name)
+                continue
+            if node.op not in ("call_function", "call_method"):
+                continue
+            inputs = [a for a in node.all_input_nodes if a in self.tainted]
+            name = _op_name(node)
+            if name in POSITIONS and self.axes(node):
+                self.refuse(node, f"{name} of length {self.tokens} makes positions (or a mask) "
+                            "from the local length: the model numbered this rank's tokens itself",
+                            "pass position_ids=batch.position_ids (from loong_compile.shard_batch)"
+                            " to the model")
+            if not inputs:
+                if self.axes(node):  # a token-shaped constant (ones(B, T), ...) counts as tokens
+                    self.tainted.add(node)
+                continue
+            self.tainted.add(node)
+            self.checked += 1
+            if node.target is not attention_2d:
+                self.check(node, name, inputs)
+
+    def check(self, node: torch.fx.Node, name: str, inputs: list[torch.fx.Node]) -> None:
+        source = inputs[0]
+        partial_in = [a for a in node.all_input_nodes if a in self.partial]
+        if partial_in:
+            self.check_partial(node, name, partial_in)
+        hop = hop_name(node)
+        if hop is not None and hop not in ALLOWED_HOPS:
+            self.refuse(node, f"{hop} is not rewritten into 2D-Attention",
+                        "use F.scaled_dot_product_attention (attn_implementation='sdpa'), or "
+                        "run with hp=cp=1")
+        elif _custom_op(node.target) and _custom_op(node.target) not in self.token_local_ops:
+            op = _custom_op(node.target)
+            self.refuse(node, f"custom op {op} reads token data and the analysis cannot see "
+                        "inside it", f"if {op} computes every token on its own, pass "
+                        f"token_local_ops=[{op!r}] in options; otherwise run with hp=cp=1")
+        elif name in MATMULS and len(inputs) >= 2 and len(self.axes(node, trailing=True)) >= 2:
+            self.refuse(node, f"{name} of two token tensors gives a token x token product "
+                        f"{tuple(_value(node).shape)}: attention the backend did not rewrite "
+                        "(e.g. attn_implementation='eager')",
+                        "use attn_implementation='sdpa' (F.scaled_dot_product_attention), which "
+                        "becomes 2D-Attention, or run with hp=cp=1")
+        elif name in CONVS and self.axes(source, trailing=True):
+            self.refuse(node, f"{name} slides over the token axis", "run with hp=cp=1")
+        elif name in LOSSES:
+            reduction = _arg(node, "reduction", None, "mean")
+            if reduction == "mean":
+                self.refuse(node, f"{name}(reduction='mean') averages over this rank's tokens, "
+                            "not over the batch", _SUM_FIX)
+            elif reduction == "sum":
+                self.partial.add(node)
+        elif name == "getitem" and isinstance(_value(source), torch.Tensor):
+            self.check_index(node, source)
+        elif name == "pad":
+            self.check_pad(node, source)
+        elif name == "cat":
+            self.check_cat(node)
+        elif name in ALONG_AXIS | REDUCTIONS | {"sum"}:
+            self.check_axis(node, name, source)
+
+    def check_axis(self, node, name, source) -> None:
+        axes = self.axes(source)
+        if not axes:
+            return
+        value = _value(source)
+        dims = _dims(node, value.dim(), name)
+        hit = axes if dims is None else [d for d in dims if d in axes]
+        if not hit:
+            return
+        if name == "sum":
+            self.partial.add(node)
+        elif name == "flatten" and dims is not None and min(dims) < min(hit):
+            return  # flatten(0, 1) of (B, T, ...) keeps tokens apart
+        elif name == "mean" or name == "nanmean":
+            self.refuse(node, f"{name} over the token axis averages this rank's tokens only",
+                        _SUM_FIX)
+        else:
+            self.refuse(node, f"{name} along the token axis {hit[0]} of "
+                        f"{tuple(value.shape)} mixes or moves tokens", _GATHER_FIX)
+
+    def check_index(self, node, source) -> None:
+        value, axes = _value(source), self.axes(source)
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if Ellipsis in index:
+            at = index.index(Ellipsis)
+            fill = value.dim() - sum(1 for i in index if i is not None and i is not Ellipsis)
+            index = index[:at] + (slice(None),) * fill + index[at + 1:]
+        axis = 0
+        for item in index:
+            if item is None:
+                continue
+            if axis in axes and not _full_slice(item, value.shape[axis]):
+                self.refuse(node, f"indexing {item!r} on the token axis {axis} of "
+                            f"{tuple(value.shape)} selects or shifts tokens{_labels_hint(source)}",
+                            _labels_fix(source))
+            axis += 1
+
+    def check_pad(self, node, source) -> None:
+        value, axes = _value(source), self.axes(source, trailing=True)
+        pad = _arg(node, "pad", 1, ())
+        padded = [value.dim() - 1 - i // 2 for i, p in enumerate(pad) if p]
+        hit = [a for a in padded if a in axes]
+        if hit:
+            self.refuse(node, f"pad {tuple(pad)} on the token axis {hit[0]} shifts tokens"
+                        f"{_labels_hint(source)}", _labels_fix(source))
+
+    def check_cat(self, node) -> None:
+        parts = node.args[0] if node.args else node.kwargs.get("tensors", ())
+        values = [_value(p) for p in parts]
+        nonempty = [v for v in values if isinstance(v, torch.Tensor) and v.numel() > 0]
+        dim = _arg(node, "dim", 1, 0)
+        out = _value(node)
+        if len(nonempty) > 1 and isinstance(out, torch.Tensor):
+            dim %= out.dim()
+            if any(isinstance(v, torch.Tensor) and dim in self.axes_of(v) for v in nonempty):
+                self.refuse(node, f"cat along the token axis {dim} joins token sequences",
+                            _GATHER_FIX)
+
+    def check_partial(self, node, name, partial_in) -> None:
+        """Sums over local tokens add up across ranks; only linear use of them stays exact."""
+        rest = [a for a in node.all_input_nodes if a not in self.partial]
+        scaled = not any(a in self.tainted for a in rest)  # by a constant, not by token data
+        if name in ("mul", "imul") and len(partial_in) == 1 and scaled \
+                or name in ("truediv", "div", "itruediv") and node.args[0] in partial_in \
+                and len(partial_in) == 1 and scaled \
+                or name in LINEAR - {"mul", "imul", "truediv", "div", "itruediv"}:
+            self.partial.add(node)
+        else:
+            self.refuse(node, f"{name} of a sum over this rank's tokens ({partial_in[0].name}): "
+                        "only the sum over all ranks' tokens is the one-process value", _SUM_FIX)
+
+    def axes(self, node: Any, trailing: bool = False) -> list[int]:
+        value = _value(node)
+        return self.axes_of(value, trailing) if isinstance(value, torch.Tensor) else []
+
+    def axes_of(self, value: torch.Tensor, trailing: bool = False) -> list[int]:
+        """Axes whose size is a multiple of T; the trailing feature axis of a floating tensor
+        (hidden, head or class dim) is not one unless ``trailing``."""
+        n = value.dim()
+        skip = not trailing and n >= 2 and (value.is_floating_point() or n >= 3)
+        return [i for i, size in enumerate(value.shape)
+                if size and size % self.tokens == 0 and not (skip and i == n - 1)]
+
+    def refuse(self, node, reason: str, fix: str) -> None:
+        self.findings.append((node, reason, fix))
+
+
+_SUM_FIX = ("sum the per-token losses and divide by the global count of label tokens: "
+            "reduction='sum' / N (with transformers: pass num_items_in_batch=N), or compute the "
+            "loss outside the compiled model")
+_GATHER_FIX = ("compute this outside the compiled model on gathered tokens "
+               "(loong_compile.gather_sequence), or run with hp=cp=1")
+
+
+def _only_returned(node: torch.fx.Node, top: torch.fx.Graph) -> bool:
+    """Whether a value reaches nothing but the top-level graph's outputs (through views)."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        for user in n.users:
+            if user.op == "output" and user.graph is not top:
+                return False  # a HOP body's result is used by its caller
+            if user.op == "output" or user in seen:
+                continue
+            if _op_name(user) not in ("getitem", "view", "contiguous", "reshape"):
+                return False
+            seen.add(user)
+            todo.append(user)
+    return True
+
+
+def _labels_hint(node: torch.fx.Node) -> str:
+    return (" (transformers' loss shifts `labels` by one token; loong_compile.shard_batch already "
+            "shifted them over the full sequence)" if _from_input(node, "labels") else "")
+
+
+def _labels_fix(node: torch.fx.Node) -> str:
+    if _from_input(node, "labels"):
+        return ("pass shift_labels=batch.labels besides labels=batch.labels (transformers then "
+                "does not shift again) and num_items_in_batch=N, the number of label tokens "
+                "!= -100 in the full batch")
+    return _GATHER_FIX
+
+
+def _from_input(node: torch.fx.Node, word: str) -> bool:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and word in n.name:
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _full_slice(item: Any, size: int) -> bool:
+    if not isinstance(item, slice):
+        return False
+    start, stop, step = item.start, item.stop, item.step
+    return (start in (None, 0) and step in (None, 1)
+            and (stop is None or (isinstance(stop, int) and stop >= size)))
+
+
+def _dims(node: torch.fx.Node, ndim: int, name: str) -> list[int] | None:
+    """The axes a reduction / along-axis op works on (None: all of them)."""
+    if name in ("flatten",):
+        start = _arg(node, "start_dim", 1, 0) % ndim
+        end = _arg(node, "end_dim", 2, -1) % ndim
+        return list(range(start, end + 1))
+    position = 2 if name in ("roll", "narrow", "split", "chunk", "tensor_split", "topk",
+                             "kthvalue") else 1
+    if name in ("narrow", "select", "index_select", "gather", "take_along_dim", "unfold"):
+        position = 1
+    dim = _arg(node, "dims" if name in ("roll", "flip") else "dim", position, None)
+    if name == "diff" and dim is None:
+        dim = -1
+    if dim is None:
+        return None if name not in ("softmax", "log_softmax", "cumsum") else [ndim - 1]
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    return [d % ndim for d in dims if isinstance(d, int)]
+
+
+def _arg(node: torch.fx.Node, key: str, position: int | None, default: Any) -> Any:
+    if key in node.kwargs:
+        return node.kwargs[key]
+    if position is not None and len(node.args) > position:
+        return node.args[position]
+    return default
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    target = node.target
+    if target in (operator.getitem,):
+        return "getitem"
+    if target is F.pad or getattr(target, "__name__", "") == "pad":
+        return "pad"
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return target.__name__.split(".")[0]
+    return getattr(target, "__name__", str(target)).lstrip("_")
+
+
+def _custom_op(target: Any) -> str | None:
+    """``namespace::name`` of a custom op (not aten/prims/loong), else None."""
+    if isinstance(target, torch._ops.OpOverload):
+        name = target._schema.name
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        name = target._qualified_op_name
+    else:
+        return None
+    return None if name.split("::")[0] in ("aten", "prims", "loong") else name
+
+
+def _is_weight(node: torch.fx.Node) -> bool:
+    grapharg = node.meta.get("grapharg")
+    source = getattr(getattr(grapharg, "source", None), "name", "")
+    source = source() if callable(source) else str(source)
+    return "_parameters" in source or "_buffers" in source or "parameters_" in node.name \
+        or "buffers_" in node.name
+
+
+def _value(node: Any) -> Any:
+    return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+
+
+def _describe(node: torch.fx.Node) -> str:
+    from loong_compile.passes.attention_2d import _module_path, _source_line
+
+    return f"{node.name} ({_op_name(node)}) at {_source_line(node)} (module {_module_path(node)})"

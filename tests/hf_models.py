@@ -1,0 +1,96 @@
+"""Tiny Hugging Face models built from their config classes (no download), for the trust matrix.
+
+Every architecture gets the same small sizes (2 layers, width 32, 4 heads of 8, 2 KV heads where
+the model has GQA), no dropout, and a window only when a case asks for one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 64
+WIDTH = 32
+LAYERS = 2
+
+
+def _common(attn: str) -> dict:
+    return dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=48,
+                num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, attn_implementation=attn, attention_dropout=0.0)
+
+
+def _llama(attn, window):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(**_common(attn)))
+
+
+def _qwen2(attn, window):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(**_common(attn), use_sliding_window=window is not None,
+                                        sliding_window=window, max_window_layers=0))
+
+
+def _qwen3(attn, window):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    return Qwen3ForCausalLM(Qwen3Config(**_common(attn), head_dim=8,
+                                        use_sliding_window=window is not None,
+                                        sliding_window=window, max_window_layers=0))
+
+
+def _mistral(attn, window):
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(MistralConfig(**_common(attn), sliding_window=window))
+
+
+def _gemma3(attn, window):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    return Gemma3ForCausalLM(Gemma3TextConfig(
+        **_common(attn), head_dim=8, sliding_window=window or 4096,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=8))
+
+
+def _phi3(attn, window):
+    from transformers import Phi3Config, Phi3ForCausalLM
+    return Phi3ForCausalLM(Phi3Config(**_common(attn), sliding_window=window, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, pad_token_id=0))
+
+
+def _olmo2(attn, window):
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+    return Olmo2ForCausalLM(Olmo2Config(**_common(attn)))
+
+
+def _gpt_neox(attn, window):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    cfg = _common(attn)
+    cfg.pop("num_key_value_heads")
+    return GPTNeoXForCausalLM(GPTNeoXConfig(**cfg, hidden_dropout=0.0, rotary_pct=0.5))
+
+
+def _gpt2(attn, window):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=WIDTH, n_layer=LAYERS, n_head=4,
+                                      n_positions=256, attn_implementation=attn, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _starcoder2(attn, window):
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
+    return Starcoder2ForCausalLM(Starcoder2Config(**_common(attn), sliding_window=window,
+                                                  residual_dropout=0.0, embedding_dropout=0.0))
+
+
+ARCHITECTURES = {
+    "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "gemma3": _gemma3,
+    "phi3": _phi3, "olmo2": _olmo2, "gpt_neox": _gpt_neox, "gpt2": _gpt2,
+    "starcoder2": _starcoder2,
+}
+WINDOWED = ("qwen2", "qwen3", "mistral", "gemma3", "phi3", "starcoder2")
+
+
+def build(arch: str, attn: str = "sdpa", window: int | None = None,
+          dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.nn.Module:
+    """The model in train mode, weights drawn from ``seed``, cast to ``dtype``."""
+    torch.manual_seed(seed)
+    model = ARCHITECTURES[arch](attn, window)
+    return model.to(dtype).train()

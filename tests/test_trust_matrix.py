@@ -1,0 +1,69 @@
+"""Exact or refused: ten Hugging Face architectures x attention x windows x users' habits.
+
+Every case runs one training step under backend="loong" (aot_eager, float64 unless bf16) on
+2 gloo ranks and is either equal to one process on the full sequence (loss and gradients) or
+refused with a named error whose message says the cause and the fix.  A case may only move
+from refused to exact, never to "runs".  ``python tests/trust_matrix.py`` prints the table.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loong_compile.testing import run_distributed
+from trust_matrix import WINDOW_SHORT, Case, all_cases, judge, run_cases
+
+# habit -> (error class, words its message must contain); every other case must be exact
+REFUSED_HABITS = {
+    "labels": ("LoongTokenMixingError", ["pad", "labels", "shift_labels=", "num_items_in_batch"]),
+    "use_cache_false": ("LoongUnsupportedError", ["attn_mask", "use_cache=False", "issue 13"]),
+    "grad_ckpt": ("LoongUnsupportedError", ["attn_mask", "gradient checkpointing", "issue 13"]),
+    "padding": ("LoongUnsupportedError", ["attn_mask", "attention_mask", "padding"]),
+    "no_position_ids": ("LoongTokenMixingError", ["arange", "position_ids=batch.position_ids"]),
+    "no_shard_batch": ("LoongShapeError", ["position_ids", "shard_batch"]),
+}
+EAGER = ("LoongTokenMixingError", ["token x token", "attn_implementation='sdpa'"])
+SHORT_WINDOW = ("LoongTokenMixingError", [f"sliding_window={WINDOW_SHORT}", "issue 13"])
+# GPT-2's loss runs in a graph of its own after a graph break: no attention in it
+NO_ATTENTION = ("LoongTokenMixingError", ["no attention call", "allow_graphs_without_attention"])
+
+
+def expected(case: Case) -> tuple[str, list[str]] | None:
+    """(error class, message words) for a refused case; None for an exact one."""
+    if case.attn == "eager":
+        return EAGER
+    if case.window == WINDOW_SHORT:
+        return SHORT_WINDOW
+    if case.arch == "gpt2" and case.habit == "shift_labels":
+        return NO_ATTENTION
+    return REFUSED_HABITS.get(case.habit)
+
+
+CASES = all_cases()
+MESHES = {"cp2": (1, 2), "hp2": (2, 1)}
+HP_CASES = [Case("mistral", window=WINDOW_SHORT), Case("llama"), Case("qwen3", habit="shift_labels"),
+            Case("gpt_neox", habit="labels"), Case("gemma3")]
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict:
+    """All cases, one spawn per mesh (compiling is the cost; spawning twice per case is not)."""
+    runs = {"cp2": CASES, "hp2": HP_CASES}
+    return {mesh: run_distributed(run_cases, 2, *MESHES[mesh], cases, timeout=1500)[0]
+            for mesh, cases in runs.items()}
+
+
+@pytest.mark.parametrize("mesh,case", [("cp2", c) for c in CASES] + [("hp2", c) for c in HP_CASES],
+                         ids=lambda v: v if isinstance(v, str) else v.name)
+def test_case_is_exact_or_refused(outcomes, mesh, case):
+    verdict, detail = judge(case, outcomes[mesh][case])
+    want = expected(case)
+    if want is None:
+        assert verdict == "exact", f"{case.name} on {mesh}: {verdict}: {detail}"
+        return
+    error, words = want
+    assert verdict == "refused", f"{case.name} on {mesh} must be refused, got {verdict}: {detail}"
+    assert detail.startswith(f"{error}:"), detail
+    missing = [w for w in words if w not in detail]
+    assert not missing, f"{case.name}: message lacks {missing}: {detail}"
+    assert "fix:" in detail

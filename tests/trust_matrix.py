@@ -1,0 +1,230 @@
+"""The trust matrix: real Hugging Face models x the habits users have, exact or refused.
+
+Each case trains one step of a tiny model under ``backend="loong"`` on 2 or 4 gloo ranks and
+compares the loss and gradients (summed over the ranks, as the examples' training loop does)
+with one process on the full sequence in float64 — or records the ``LoongError`` it raised.
+``python tests/trust_matrix.py`` prints the table that docs/usage.md shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hf_models import ARCHITECTURES, WINDOWED, build  # noqa: E402
+
+BATCH, SEQ = 2, 48
+WINDOW_SHORT, WINDOW_LONG = 32, 64    # shorter than the sequence (longer than a rank's share), longer
+FLOAT32_INSIDE = ("gemma3",)
+# every architecture gets the habits that depend on its code; the habits that depend on
+# transformers' shared code (masks, caches) or on ours run on four architectures
+HABITS_EVERY_ARCH = ("plain", "labels", "shift_labels", "no_position_ids")
+HABITS_SAMPLED = ("use_cache_false", "grad_ckpt", "padding", "packed", "bf16", "no_shard_batch")
+SAMPLED_ARCHS = ("llama", "qwen2", "gemma3", "gpt2")
+LONG_WINDOW_ARCHS = ("mistral", "gemma3", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    arch: str
+    attn: str = "sdpa"
+    window: int | None = None
+    habit: str = "plain"
+
+    @property
+    def name(self) -> str:
+        window = f"-w{self.window}" if self.window else ""
+        return f"{self.arch}-{self.attn}{window}-{self.habit}"
+
+
+def all_cases() -> list[Case]:
+    cases = [Case(arch, habit=habit) for arch in ARCHITECTURES for habit in HABITS_EVERY_ARCH]
+    cases += [Case(arch, habit=habit) for arch in SAMPLED_ARCHS for habit in HABITS_SAMPLED]
+    cases += [Case(arch, attn="eager") for arch in ARCHITECTURES]
+    cases += [Case(arch, window=WINDOW_SHORT) for arch in WINDOWED]
+    cases += [Case(arch, window=WINDOW_LONG) for arch in LONG_WINDOW_ARCHS]
+    return cases
+
+
+def token_ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def packed_positions() -> torch.Tensor:
+    """Two documents per row (20 and 28 tokens), positions restarting at 0."""
+    row = torch.cat([torch.arange(20), torch.arange(SEQ - 20)])
+    return row.expand(BATCH, -1).clone()
+
+
+def padding_mask() -> torch.Tensor:
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, :6] = 0  # left padding on the second row
+    return mask
+
+
+def _model_for(case: Case) -> torch.nn.Module:
+    dtype = torch.bfloat16 if case.habit == "bf16" else torch.float64
+    model = build(case.arch, case.attn, case.window, dtype)
+    if case.habit == "grad_ckpt":
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def _summed_loss(logits: torch.Tensor, labels: torch.Tensor, count: int) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).double(), labels.flatten(), reduction="sum",
+                           ignore_index=-100) / count
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+
+
+def _label_count() -> int:
+    return BATCH * (SEQ - 1)
+
+
+def reference(case: Case, dtype: torch.dtype = torch.float64) -> tuple[float, dict]:
+    """One process, full sequence (float64 unless asked): the loss and gradients the user meant."""
+    model = build(case.arch, case.attn, case.window, dtype)
+    ids = token_ids()
+    labels = _shifted(ids)
+    kwargs = {"position_ids": torch.arange(SEQ).expand(BATCH, -1)}
+    if case.habit == "packed":
+        kwargs["position_ids"] = packed_positions()
+    if case.habit == "padding":
+        kwargs["attention_mask"] = padding_mask()
+        labels = labels.masked_fill(_shifted(padding_mask()) == 0, -100)
+    if case.habit in ("labels", "shift_labels"):
+        loss = model(ids, labels=ids, **kwargs).loss
+    else:
+        count = int((labels != -100).sum())
+        loss = _summed_loss(model(ids, **kwargs).logits, labels, count)
+    loss.backward()
+    return loss.item(), {n: p.grad.double().numpy() for n, p in model.named_parameters()
+                         if p.grad is not None}
+
+
+def relative_error(got: tuple[float, dict], ref: tuple[float, dict]) -> float:
+    """Largest relative error over the loss and every parameter's gradient (as a whole)."""
+    (loss, grads), (ref_loss, ref_grads) = got, ref
+    worst = abs(loss - ref_loss) / abs(ref_loss)
+    for name, grad in ref_grads.items():
+        grad = torch.from_numpy(grad)
+        mine = torch.from_numpy(grads[name]) if name in grads else torch.zeros_like(grad)
+        worst = max(worst, float((mine - grad).norm() / grad.norm().clamp_min(1e-30)))
+    return worst
+
+
+def tolerance(case: Case) -> float:
+    """float64 round-off, float32 where the model computes in float32 inside (Gemma3's norms,
+    transformers' loss casts the logits to float32), and for bf16 twice one process's own
+    bf16 error against float64."""
+    if case.habit == "bf16":
+        return 2 * relative_error(reference(case, torch.bfloat16), reference(case))
+    if case.arch in FLOAT32_INSIDE or case.habit in ("labels", "shift_labels"):
+        return 1e-5
+    return 1e-9
+
+
+def _distributed_step(case: Case, hp: int, cp: int):
+    import torch.distributed as dist
+
+    import loong_compile as lc
+
+    mesh = lc.init_mesh(hp=hp, cp=cp)
+    model = _model_for(case)
+    options = {"hp": hp, "cp": cp, "lowering": "aot_eager", "rank_check_timeout": 30}
+    compiled = torch.compile(model, backend="loong", options=options)
+    ids = token_ids()
+    batch = lc.shard_batch(ids, ids, mesh)
+    labels, count = batch.labels, _label_count()
+    kwargs = {"position_ids": batch.position_ids}
+    index = lc.data.mesh_token_indices(SEQ, mesh)
+    if case.habit == "packed":
+        kwargs["position_ids"] = packed_positions()[:, index].contiguous()
+    elif case.habit == "padding":
+        kwargs["attention_mask"] = padding_mask()[:, index].contiguous()
+        labels = labels.masked_fill(_shifted(padding_mask())[:, index] == 0, -100)
+        count = int((_shifted(ids).masked_fill(_shifted(padding_mask()) == 0, -100) != -100).sum())
+    elif case.habit == "use_cache_false":
+        kwargs["use_cache"] = False
+    elif case.habit == "no_position_ids":
+        kwargs.pop("position_ids")
+    inputs = batch.input_ids
+    if case.habit == "no_shard_batch":  # every rank feeds the whole sequence
+        inputs, labels = ids, _shifted(ids)
+        kwargs["position_ids"] = torch.arange(SEQ).expand(BATCH, -1).contiguous()
+    if case.habit == "labels":
+        loss = compiled(inputs, labels=labels, **kwargs).loss
+    elif case.habit == "shift_labels":
+        loss = compiled(inputs, labels=labels, shift_labels=labels, num_items_in_batch=count,
+                        **kwargs).loss
+    else:
+        loss = _summed_loss(compiled(inputs, **kwargs).logits, labels, count)
+    loss.backward()
+    loss = loss.detach().double()
+    dist.all_reduce(loss)
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            grad = p.grad.double()
+            dist.all_reduce(grad)
+            grads[name] = grad
+    return loss.item(), grads
+
+
+def _loong_error(exc: BaseException):
+    from loong_compile.errors import LoongError
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, LoongError):
+            return exc
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None
+
+
+def run_cases(rank: int, world: int, hp: int, cp: int, cases: list[Case]) -> dict:
+    """On every rank: each case's outcome, ("ok", loss, grads) on rank 0 or ("refused", ...)."""
+    outcomes = {}
+    for case in cases:
+        torch._dynamo.reset()
+        try:
+            loss, grads = _distributed_step(case, hp, cp)
+            # numpy, not tensors: tensors travel between processes as file descriptors that die
+            # with the rank
+            outcomes[case] = ("ok", loss, {n: g.numpy() for n, g in grads.items()}) \
+                if rank == 0 else ("ok",)
+        except Exception as exc:  # noqa: BLE001 - recorded and judged by the test
+            error = _loong_error(exc)
+            if error is not None:
+                outcomes[case] = ("refused", type(error).__name__, str(error))
+            else:
+                outcomes[case] = ("crash", type(exc).__name__, traceback.format_exc()[-1500:].replace("\n", " | "))
+    return outcomes
+
+
+def judge(case: Case, outcome: tuple) -> tuple[str, str]:
+    """("exact" | "wrong" | "refused" | "crash", detail)."""
+    if outcome[0] != "ok":
+        return ("refused" if outcome[0] == "refused" else "crash"), f"{outcome[1]}: {outcome[2]}"
+    error, tol = relative_error(outcome[1:], reference(case)), tolerance(case)
+    return ("exact" if error <= tol else "wrong"), f"relative error {error:.1e} (tolerance {tol:.0e})"
+
+
+if __name__ == "__main__":
+    from loong_compile.testing import run_distributed
+
+    cases = all_cases() if len(sys.argv) < 2 else [c for c in all_cases() if sys.argv[1] in c.name]
+    results = run_distributed(run_cases, 2, 1, 2, cases, timeout=3000)[0]
+    for case in cases:
+        verdict, detail = judge(case, results[case])
+        print(f"{case.name:40s} {verdict:8s} {detail[:300] if verdict != 'crash' else detail}")
