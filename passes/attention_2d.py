@@ -99,8 +99,9 @@ def _check_rope(root, rewritten: list[dict], ctx: PassContext) -> dict | None:
     if rope is None or not rewritten:
         return None
     rope_type, threshold = rope
-    global_len = rewritten[0]["tokens_per_rank"] * ctx.config.sp
-    if global_len > threshold:
+    tokens = rewritten[0]["tokens_per_rank"]
+    global_len = None if tokens is None else tokens * ctx.config.sp
+    if global_len is None or global_len > threshold:
         raise LoongTokenMixingError(
             f"{type(root).__name__} uses rope_type={rope_type!r} with threshold {threshold} at a "
             f"global sequence of {global_len} tokens",
@@ -132,7 +133,7 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext, is_fl
     if not isinstance(causal, bool) or not (scale is None or isinstance(scale, (int, float))):
         _refuse(node, f"is_causal={causal!r} / scale={scale!r} are not constants",
                 "pass Python bool/float values")
-    tokens = _shape(q)[1 if is_flash else 2]
+    tokens = _static(_shape(q)[1 if is_flash else 2])
     window = _check_window(node, root, causal, tokens, ctx.config.sp)
 
     k_unrepeated, v_unrepeated = _unrepeated_kv(k), _unrepeated_kv(v)
@@ -166,16 +167,23 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext, is_fl
     }
 
 
-def _check_window(node: torch.fx.Node, root, causal: bool, tokens: int, sp: int) -> int | None:
+def _static(size: Any) -> int | None:
+    """A static size as an int; None for a dynamic one (reading it would add a guard)."""
+    return size if isinstance(size, int) else None
+
+
+def _check_window(node: torch.fx.Node, root, causal: bool, tokens: int | None,
+                  sp: int) -> int | None:
     """Refuse a call whose module has a window shorter than the global sequence.
 
     The call reached us without a mask, so the model decided no window was needed: it saw only
     this rank's tokens.  A window at least as long as the global sequence changes nothing."""
     window = model_facts.sliding_window(model_facts.module_of(root, node), root)
-    if window is not None and window < tokens * sp:
+    if window is not None and (tokens is None or window < tokens * sp):
+        length = "a dynamic length" if tokens is None else f"{tokens * sp} tokens"
         _refuse(node, f"its module has sliding_window={window} but the call has no mask "
-                      f"(is_causal={causal}): the model dropped the window because it saw only "
-                      f"this rank's {tokens} tokens, while the sequence has {tokens * sp}",
+                      f"(is_causal={causal}): the model decided from this rank's share of the "
+                      f"tokens that no window applies, while the sequence has {length}",
                 "windows are not distributed yet (issue 13): set sliding_window=None (or >= the "
                 "sequence length) in the config to train with full causal attention, or run with "
                 "hp=cp=1", error=LoongTokenMixingError)

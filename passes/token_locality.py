@@ -18,7 +18,8 @@ refuses:  with ``LoongTokenMixingError``, on every rank alike (the graph is the 
           - reductions over token axes other than a sum (a local mean is not the global mean),
             ``cross_entropy`` with ``reduction="mean"``, and nonlinear functions of a token sum
             (the ranks' sums only add up to the global one);
-          - custom ops on token data not listed in ``token_local_ops``, ``flex_attention``;
+          - custom ops on token data not listed in ``token_local_ops``; attention the rewrite
+            left alone: ``flex_attention``, ``nn.MultiheadAttention`` (one opaque call);
           - a graph with no rewritten attention at all, unless ``allow_graphs_without_attention``
             (attention the rewrite did not recognise would otherwise run on local tokens).
           What only reaches the graph's outputs untouched (a KV cache transformers returns) is
@@ -54,6 +55,11 @@ MATMULS = {"matmul", "bmm", "einsum", "baddbmm", "mm"}
 POSITIONS = {"arange", "range", "linspace"}
 LOSSES = {"cross_entropy", "nll_loss"}
 CONVS = {"conv1d", "conv2d", "conv3d", "conv_transpose1d"}
+# attention Dynamo keeps as one call (nn.MultiheadAttention) or that the rewrite left alone
+UNREWRITTEN_ATTENTION = {"multi_head_attention_forward", "native_multi_head_attention",
+                         "scaled_dot_product_attention", "scaled_dot_product_flash_attention",
+                         "scaled_dot_product_efficient_attention",
+                         "scaled_dot_product_attention_math", "flash_attn_func"}
 ALLOWED_HOPS = {"tag_activation_checkpoint", "wrap", "autograd_function_apply"}
 
 
@@ -95,7 +101,8 @@ class TokenLocalityPass:
                 "use F.scaled_dot_product_attention (attn_implementation='sdpa'); if this graph "
                 "really computes each token on its own (e.g. a loss head after a graph break), "
                 "pass allow_graphs_without_attention=True")
-        return {"matched": analysis.checked, "tokens_per_rank": tokens, "attention": attention,
+        return {"matched": analysis.checked, "attention": attention,
+                "tokens_per_rank": tokens if isinstance(tokens, int) else str(tokens),
                 "token_inputs": analysis.inputs,
                 "local_only_outputs": [f"{n.name}: {reason}" for n, reason, _ in local_outputs]}
 
@@ -105,11 +112,11 @@ def local_token_count(gm: torch.fx.GraphModule) -> int | None:
     non-parameter input (``(B, T)`` ids or ``(B, T, D)`` states), else None."""
     for node in gm.graph.nodes:
         if node.target is attention_2d:
-            return int(_value(node.args[0]).shape[-2])
+            return _value(node.args[0]).shape[-2]
     for node in gm.graph.find_nodes(op="placeholder"):
         value = _value(node)
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and not _is_weight(node):
-            return int(value.shape[1])
+            return value.shape[1]
     return None
 
 
@@ -158,7 +165,12 @@ class _Analysis:
         if partial_in:
             self.check_partial(node, name, partial_in)
         hop = hop_name(node)
-        if hop is not None and hop not in ALLOWED_HOPS:
+        if name in UNREWRITTEN_ATTENTION:
+            self.refuse(node, f"{name} is attention the backend does not rewrite (Dynamo keeps "
+                        "nn.MultiheadAttention as one opaque call)",
+                        "call F.scaled_dot_product_attention on (B, heads, S, head_dim) tensors "
+                        "(transformers: attn_implementation='sdpa'), or run with hp=cp=1")
+        elif hop is not None and hop not in ALLOWED_HOPS:
             self.refuse(node, f"{hop} is not rewritten into 2D-Attention",
                         "use F.scaled_dot_product_attention (attn_implementation='sdpa'), or "
                         "run with hp=cp=1")
@@ -240,7 +252,8 @@ class _Analysis:
     def check_cat(self, node) -> None:
         parts = node.args[0] if node.args else node.kwargs.get("tensors", ())
         values = [_value(p) for p in parts]
-        nonempty = [v for v in values if isinstance(v, torch.Tensor) and v.numel() > 0]
+        nonempty = [v for v in values if isinstance(v, torch.Tensor)
+                    and not (isinstance(v.numel(), int) and v.numel() == 0)]
         dim = _arg(node, "dim", 1, 0)
         out = _value(node)
         if len(nonempty) > 1 and isinstance(out, torch.Tensor):
@@ -272,7 +285,7 @@ class _Analysis:
         n = value.dim()
         skip = not trailing and n >= 2 and (value.is_floating_point() or n >= 3)
         return [i for i, size in enumerate(value.shape)
-                if size and size % self.tokens == 0 and not (skip and i == n - 1)]
+                if _counts_tokens(size, self.tokens) and not (skip and i == n - 1)]
 
     def refuse(self, node, reason: str, fix: str) -> None:
         self.findings.append((node, reason, fix))
@@ -283,6 +296,16 @@ _SUM_FIX = ("sum the per-token losses and divide by the global count of label to
             "loss outside the compiled model")
 _GATHER_FIX = ("compute this outside the compiled model on gathered tokens "
                "(loong_compile.gather_sequence), or run with hp=cp=1")
+
+
+def _counts_tokens(size: Any, tokens: Any) -> bool:
+    """Whether an axis of this size holds tokens: a multiple of the local count T.  With a dynamic
+    T (``mark_dynamic``) an axis holds tokens when its size is an expression in T's symbol;
+    comparing symbolic sizes numerically would add guards."""
+    if isinstance(tokens, torch.SymInt):
+        return isinstance(size, torch.SymInt) and bool(
+            tokens.node.expr.free_symbols & size.node.expr.free_symbols)
+    return isinstance(size, int) and size > 0 and size % tokens == 0
 
 
 def _only_returned(node: torch.fx.Node, top: torch.fx.Graph) -> bool:
@@ -333,7 +356,7 @@ def _full_slice(item: Any, size: int) -> bool:
         return False
     start, stop, step = item.start, item.stop, item.step
     return (start in (None, 0) and step in (None, 1)
-            and (stop is None or (isinstance(stop, int) and stop >= size)))
+            and (stop is None or (isinstance(stop, int) and isinstance(size, int) and stop >= size)))
 
 
 def _dims(node: torch.fx.Node, ndim: int, name: str) -> list[int] | None:

@@ -137,6 +137,7 @@ def _distributed_step(case: Case, hp: int, cp: int):
     import torch.distributed as dist
 
     import loong_compile as lc
+    from loong_compile.data import mesh_token_indices
 
     mesh = lc.init_mesh(hp=hp, cp=cp)
     model = _model_for(case)
@@ -146,7 +147,7 @@ def _distributed_step(case: Case, hp: int, cp: int):
     batch = lc.shard_batch(ids, ids, mesh)
     labels, count = batch.labels, _label_count()
     kwargs = {"position_ids": batch.position_ids}
-    index = lc.data.mesh_token_indices(SEQ, mesh)
+    index = mesh_token_indices(SEQ, mesh)
     if case.habit == "packed":
         kwargs["position_ids"] = packed_positions()[:, index].contiguous()
     elif case.habit == "padding":
@@ -220,11 +221,38 @@ def judge(case: Case, outcome: tuple) -> tuple[str, str]:
     return ("exact" if error <= tol else "wrong"), f"relative error {error:.1e} (tolerance {tol:.0e})"
 
 
+def markdown(cases: list[Case], results: dict) -> str:
+    """The table of docs/usage.md: one row per (attention, window, habit), one column per model."""
+    import re
+
+    rows: dict[tuple, dict[str, tuple[str, str]]] = {}
+    for case in cases:
+        rows.setdefault((case.attn, case.window, case.habit), {})[case.arch] = judge(case, results[case])
+    archs = list(ARCHITECTURES)
+    lines = ["| attention, window, habit | " + " | ".join(archs) + " |",
+             "|---|" + "---|" * len(archs)]
+    messages = []
+    for (attn, window, habit), verdicts in rows.items():
+        label = f"{attn}{f', window {window}' if window else ''}, {habit.replace('_', ' ')}"
+        cells = [verdicts[a][0] if a in verdicts else "" for a in archs]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        refused = [d for v, d in verdicts.values() if v == "refused"]
+        if refused:
+            text = re.sub(r'File "[^"]*/([^/"]+)"', r"\1", refused[0])
+            messages.append(f"- **{label}**: `{text}`")
+    return "\n".join(lines + ["", "What a user sees for each refused row (first model's message):",
+                              ""] + messages)
+
+
 if __name__ == "__main__":
     from loong_compile.testing import run_distributed
 
-    cases = all_cases() if len(sys.argv) < 2 else [c for c in all_cases() if sys.argv[1] in c.name]
+    wanted = [a for a in sys.argv[1:] if not a.startswith("--")]
+    cases = [c for c in all_cases() if not wanted or any(w in c.name for w in wanted)]
     results = run_distributed(run_cases, 2, 1, 2, cases, timeout=3000)[0]
-    for case in cases:
-        verdict, detail = judge(case, results[case])
-        print(f"{case.name:40s} {verdict:8s} {detail[:300] if verdict != 'crash' else detail}")
+    if "--markdown" in sys.argv:
+        print(markdown(cases, results))
+    else:
+        for case in cases:
+            verdict, detail = judge(case, results[case])
+            print(f"{case.name:40s} {verdict:8s} {detail}")
