@@ -35,3 +35,25 @@ def dynamo_graph(fn, *inputs):
     torch.compile(fn, backend=capture, fullgraph=True)(*inputs)
     (gm,) = graphs
     return gm
+STAND_INS = ROOT / "tests" / "stand_ins"
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """tests/stand_ins on sys.path for this test only (and for ranks it spawns)."""
+    monkeypatch.syspath_prepend(str(STAND_INS))
+    yield
+    for name in [m for m in sys.modules if m.split(".")[0] in ("flash_attn", "kernel_layout")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def flash_attn_stand_in(stand_ins):
+    """The CPU flash-attn 2.8 stand-in, importable as ``flash_attn`` during this test only."""
+    from loong_compile.ops import kernels
+
+    kernels._flash_attn_usable.cache_clear()
+    import flash_attn
+
+    yield flash_attn
+    kernels._flash_attn_usable.cache_clear()

@@ -8,6 +8,13 @@ heads than Q (GQA, query head ``i`` uses KV head ``i // (H / H_kv)``, as
 ``repeat_interleave``).  ``is_causal`` is only used for square blocks (the
 diagonal blocks of the ring), where top-left and bottom-right alignment agree.
 
+The adapter honours the CUDA kernels' layout contract for every caller: the
+kernels read the LSE, the output and its gradient from their data pointers as
+contiguous arrays, whatever their strides (the ring hands them row slices), so
+every tensor goes to a kernel contiguous; and PyTorch's CUDA flash kernel, like
+flash-attn, takes head dims that are multiples of 8, so q/k/v (and out/dout)
+are zero-padded to one and the results cut back (the scale is the caller's).
+
 Kernels, chosen per call:
 
 * CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward
@@ -43,12 +50,16 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool,
                       scale: float) -> tuple[Tensor, Tensor]:
-    return _kernel(q)[0](q, k, v, is_causal, scale)
+    return _kernel(q)[0](*_contiguous(q, k, v), is_causal, scale)
 
 
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
                        is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    return _kernel(q)[1](dout, q, k, v, out, lse, is_causal, scale)
+    return _kernel(q)[1](*_contiguous(dout, q, k, v, out, lse), is_causal, scale)
+
+
+def _contiguous(*tensors: Tensor) -> tuple[Tensor, ...]:
+    return tuple(t.contiguous() for t in tensors)
 
 
 def kernel_name(q: Tensor) -> str:
@@ -76,15 +87,30 @@ def _sum_kv_grad(grad: Tensor, kv_heads: int) -> Tensor:
     return grad.unflatten(1, (kv_heads, -1)).sum(2)
 
 
+# --- CUDA kernels take head dims that are multiples of 8 ---------------------
+
+def _pad_head_dim(x: Tensor) -> Tensor:
+    """Zero columns up to a multiple of 8: they add nothing to scores or outputs."""
+    pad = -x.size(-1) % 8
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
+
+def _cut_head_dim(x: Tensor, head_dim: int) -> Tensor:
+    return x[..., :head_dim] if x.size(-1) != head_dim else x
+
+
 # --- CUDA: PyTorch's flash kernel ---------------------------------------------
 
 def _cuda_forward(q, k, v, is_causal, scale):
-    return sdpa_flash_cuda(q, _expand_kv(q, k), _expand_kv(q, v), is_causal, scale)
+    out, lse = sdpa_flash_cuda(_pad_head_dim(q), _pad_head_dim(_expand_kv(q, k)),
+                               _pad_head_dim(_expand_kv(q, v)), is_causal, scale)
+    return _cut_head_dim(out, q.size(-1)), lse
 
 
 def _cuda_backward(dout, q, k, v, out, lse, is_causal, scale):
-    dq, dk, dv = sdpa_flash_cuda_backward(dout, q, _expand_kv(q, k), _expand_kv(q, v), out, lse,
-                                          is_causal, scale)
+    padded = (_pad_head_dim(t) for t in (dout, q, _expand_kv(q, k), _expand_kv(q, v), out))
+    dq, dk, dv = (_cut_head_dim(g, q.size(-1))
+                  for g in sdpa_flash_cuda_backward(*padded, lse, is_causal, scale))
     return dq, _sum_kv_grad(dk, k.size(1)), _sum_kv_grad(dv, v.size(1))
 
 
@@ -102,18 +128,17 @@ def _flash_attn_usable() -> bool:
 
 
 def _to_flash_layout(x: Tensor) -> Tensor:
-    """(B, H, S, D) -> (B, S, H, D), head dim padded to a multiple of 8 as flash-attn requires."""
-    x = x.transpose(1, 2)
-    pad = -x.size(-1) % 8
-    return torch.nn.functional.pad(x, (0, pad)).contiguous() if pad else x.contiguous()
+    """(B, H, S, D) -> contiguous (B, S, H, D), head dim padded to a multiple of 8."""
+    return _pad_head_dim(x.transpose(1, 2)).contiguous()
 
 
 def _from_flash_layout(x: Tensor, head_dim: int) -> Tensor:
-    return x[..., :head_dim].transpose(1, 2)
+    return _cut_head_dim(x, head_dim).transpose(1, 2)
 
 
+# flash-attn >= 2.7 registers its kernels as torch.ops.flash_attn.* (flash_attn_interface.py)
 def _flash_attn_forward(q, k, v, is_causal, scale):
-    out, lse, _, _ = torch.ops.flashattn._flash_attn_forward(
+    out, lse, _, _ = torch.ops.flash_attn._flash_attn_forward(
         _to_flash_layout(q), _to_flash_layout(k), _to_flash_layout(v), 0.0, scale, is_causal,
         -1, -1, 0.0, None, False)
     return _from_flash_layout(out, q.size(-1)), lse
@@ -122,7 +147,7 @@ def _flash_attn_forward(q, k, v, is_causal, scale):
 def _flash_attn_backward(dout, q, k, v, out, lse, is_causal, scale):
     qf, kf, vf = _to_flash_layout(q), _to_flash_layout(k), _to_flash_layout(v)
     dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
-    torch.ops.flashattn._flash_attn_backward(
+    torch.ops.flash_attn._flash_attn_backward(
         _to_flash_layout(dout), qf, kf, vf, _to_flash_layout(out), lse, dq, dk, dv, 0.0, scale,
         is_causal, -1, -1, 0.0, None, False, None)
     return tuple(_from_flash_layout(g, q.size(-1)) for g in (dq, dk, dv))

@@ -1,0 +1,116 @@
+"""The CUDA kernels' contracts, checked on CPU with stand-ins that behave as the kernels do.
+
+* Layout: flash-attn's ``mha_bwd`` and PyTorch's CUDA flash backward read the
+  LSE, the output and its gradient as contiguous memory from their data
+  pointers.  ``strict_flash_backward`` is the CPU kernel fed exactly that
+  (tests/stand_ins/kernel_layout.py), put in the place of the kernels.
+* Head dims: the CUDA flash kernels take multiples of 8 only.
+* flash-attn 2.7-2.8 registers ``torch.ops.flash_attn.*`` (the stand-in package
+  in tests/stand_ins/flash_attn mirrors its interface and op namespace).
+* Ops that communicate or move data to the host are tagged ``cudagraph_unsafe``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loong_compile._compat import sdpa_flash_cpu, sdpa_flash_cpu_backward
+from loong_compile.data import mesh_token_indices, sequence_divisor
+from loong_compile.errors import LoongShapeError
+from loong_compile.mesh import init_mesh
+from loong_compile.ops import attention_2d, kernels
+from loong_compile.testing import run_distributed
+
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def require_head_dim_multiple_of_8(*tensors) -> None:
+    for t in tensors:
+        if t.size(-1) % 8:
+            raise RuntimeError(f"head_size must be a multiple of 8, got {t.size(-1)} (CUDA flash)")
+
+
+def strict_flash_forward(q, k, v, is_causal, scale):
+    """The CPU kernel's results in the CUDA kernel's layouts (the CPU LSE is (B, S, H) in memory)."""
+    require_head_dim_multiple_of_8(q, k, v)
+    return tuple(t.contiguous() for t in sdpa_flash_cpu(q, k, v, is_causal, scale))
+
+
+def strict_flash_backward(dout, q, k, v, out, lse, is_causal, scale):
+    """The CPU kernel given what the CUDA kernels read: lse/out/dout as raw contiguous memory."""
+    from kernel_layout import kernel_reads
+
+    require_head_dim_multiple_of_8(dout, q, k, v, out)
+    return sdpa_flash_cpu_backward(kernel_reads(dout), q, k, v, kernel_reads(out),
+                                   kernel_reads(lse), is_causal, scale)
+
+
+def reference(q, k, v, dout, is_causal, scale=None):
+    """One process, float64: SDPA's out and (dq, dk, dv)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                         enable_gqa=True)
+    return out.detach(), *torch.autograd.grad(out, (q, k, v), dout.double())
+
+
+def relative_errors(got, want) -> list[float]:
+    return [((g.double() - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want)]
+
+
+def random_qkv_dout(heads, kv_heads, seq, head_dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(2, heads, seq, head_dim, generator=gen, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(2, kv_heads, seq, head_dim, generator=gen, dtype=dtype) for _ in range(2))
+    return q, k, v, dout
+
+
+# --- layout: LSE / out / dout reach the kernels contiguous ------------------------
+
+def test_adapter_hands_kernels_contiguous_row_slices(stand_ins, monkeypatch):
+    """The ring's causal blocks pass rows [S/2:] of out and lse; the kernel must see those rows."""
+    monkeypatch.setattr(kernels, "sdpa_flash_cpu_backward", strict_flash_backward)
+    q, k, v, dout = random_qkv_dout(4, 2, 16, 8, torch.float64)
+    out, lse = sdpa_flash_cpu(q, k, v, False, 8 ** -0.5)
+    rows = slice(8, None)
+    got = kernels.attention_backward(dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows],
+                                     lse[:, :, rows], is_causal=False, scale=8 ** -0.5)
+    want = sdpa_flash_cpu_backward(*(t[:, :, rows].contiguous() for t in (dout, q)), k, v,
+                                   out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(),
+                                   False, 8 ** -0.5)
+    assert max(relative_errors(got, want)) < TOLERANCE[torch.float64]
+
+
+def _ring_under_strict_kernels(rank, world):
+    """cp=2: each rank's blocks include a half-row block (rows S/2: of out and lse)."""
+    kernels.sdpa_flash_cpu_backward = strict_flash_backward  # this spawned rank only
+    mesh = init_mesh(hp=1, cp=world)
+    seq = 2 * sequence_divisor(world, 1)
+    index = mesh_token_indices(seq, mesh)
+    q, k, v, dout = random_qkv_dout(4, 2, seq, 16, torch.float64, seed=7)
+    want = reference(q, k, v, dout, True)
+    local = [t[:, :, index].requires_grad_() for t in (q, k, v)]
+    out = attention_2d(*local, is_causal=True, **mesh.attention_kwargs())
+    got = (out, *torch.autograd.grad(out, local, dout[:, :, index]))
+    return dict(zip(("out", "dq", "dk", "dv"),
+                    relative_errors(got, (w[:, :, index] for w in want))))
+
+
+def test_ring_attention_exact_under_strict_kernels(stand_ins):
+    errors = run_distributed(_ring_under_strict_kernels, 2, timeout=120)
+    assert all(e < TOLERANCE[torch.float64] for rank in errors for e in rank.values()), errors
+
+
+# --- PyTorch's CUDA flash kernel: head dims padded to a multiple of 8 ------------
+
+@pytest.mark.parametrize("head_dim", [12, 16])
+def test_cuda_flash_path_pads_head_dim(stand_ins, monkeypatch, head_dim):
+    monkeypatch.setattr(kernels, "sdpa_flash_cuda", strict_flash_forward)
+    monkeypatch.setattr(kernels, "sdpa_flash_cuda_backward", strict_flash_backward)
+    q, k, v, dout = random_qkv_dout(4, 2, 16, head_dim, torch.float64)
+    scale = 0.3  # not 1/sqrt(any head dim): the caller's scale goes to the kernel unchanged
+    out, lse = kernels._cuda_forward(q, k, v, True, scale)
+    grads = kernels._cuda_backward(dout, q, k, v, out.contiguous(), lse, True, scale)
+    want = reference(q, k, v, dout, True, scale)
+    assert max(relative_errors((out, *grads), want)) < TOLERANCE[torch.float64]
