@@ -78,6 +78,18 @@ def sdpa_flash_cuda_backward(dout, q, k, v, out, lse, is_causal: bool, scale: fl
         scale=scale)
 
 
+# --- custom-op tags (ops/) ----------------------------------------------------
+
+def cudagraph_unsafe_tags() -> tuple:
+    """``(torch.Tag.cudagraph_unsafe,)``, or ``()`` on a torch without the tag.
+
+    Ops that communicate or copy to the host carry it, so Inductor's CUDA graphs
+    split around them instead of capturing them.  Checked: torch 2.13 has the tag.
+    """
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    return () if tag is None else (tag,)
+
+
 # --- dynamo backend registry (backend.py) ------------------------------------
 
 def register_dynamo_backend(name: str, compiler_fn) -> None:

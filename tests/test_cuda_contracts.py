@@ -82,13 +82,22 @@ def test_adapter_hands_kernels_contiguous_row_slices(stand_ins, monkeypatch):
     assert max(relative_errors(got, want)) < TOLERANCE[torch.float64]
 
 
-def _ring_under_strict_kernels(rank, world):
+def _ring_under_strict_kernels(rank, world, kernel, dtype):
     """cp=2: each rank's blocks include a half-row block (rows S/2: of out and lse)."""
-    kernels.sdpa_flash_cpu_backward = strict_flash_backward  # this spawned rank only
+    # CPU tensors routed to a CUDA path of the adapter, in this spawned rank only
+    if kernel == "flash_attn":
+        import flash_attn  # noqa: F401  the stand-in registers torch.ops.flash_attn.*
+
+        path = kernels._flash_attn_forward, kernels._flash_attn_backward
+    else:
+        kernels.sdpa_flash_cuda = strict_flash_forward
+        kernels.sdpa_flash_cuda_backward = strict_flash_backward
+        path = kernels._cuda_forward, kernels._cuda_backward
+    kernels._kernel = lambda q: (*path, kernel)
     mesh = init_mesh(hp=1, cp=world)
     seq = 2 * sequence_divisor(world, 1)
     index = mesh_token_indices(seq, mesh)
-    q, k, v, dout = random_qkv_dout(4, 2, seq, 16, torch.float64, seed=7)
+    q, k, v, dout = random_qkv_dout(4, 2, seq, 12, dtype, seed=7)
     want = reference(q, k, v, dout, True)
     local = [t[:, :, index].requires_grad_() for t in (q, k, v)]
     out = attention_2d(*local, is_causal=True, **mesh.attention_kwargs())
@@ -97,9 +106,11 @@ def _ring_under_strict_kernels(rank, world):
                     relative_errors(got, (w[:, :, index] for w in want))))
 
 
-def test_ring_attention_exact_under_strict_kernels(stand_ins):
-    errors = run_distributed(_ring_under_strict_kernels, 2, timeout=120)
-    assert all(e < TOLERANCE[torch.float64] for rank in errors for e in rank.values()), errors
+@pytest.mark.parametrize("kernel, dtype", [("aten_flash", torch.float64),
+                                           ("flash_attn", torch.float32)])
+def test_ring_attention_exact_under_strict_kernels(stand_ins, kernel, dtype):
+    errors = run_distributed(_ring_under_strict_kernels, 2, kernel, dtype, timeout=120)
+    assert all(e < TOLERANCE[dtype] for rank in errors for e in rank.values()), errors
 
 
 # --- PyTorch's CUDA flash kernel: head dims padded to a multiple of 8 ------------
@@ -114,3 +125,39 @@ def test_cuda_flash_path_pads_head_dim(stand_ins, monkeypatch, head_dim):
     grads = kernels._cuda_backward(dout, q, k, v, out.contiguous(), lse, True, scale)
     want = reference(q, k, v, dout, True, scale)
     assert max(relative_errors((out, *grads), want)) < TOLERANCE[torch.float64]
+
+
+# --- flash-attn 2.7-2.8: torch.ops.flash_attn.* -------------------------------------
+
+def test_flash_attn_adapter_through_flash_attn_ops(flash_attn_stand_in):
+    """The adapter's flash-attn path (CUDA-only in use) called directly on CPU through the
+    stand-in's torch.ops.flash_attn ops: layout (B, S, H, D), head dim 12 padded, GQA."""
+    assert kernels._flash_attn_usable()
+    q, k, v, dout = random_qkv_dout(4, 2, 16, 12, torch.float32)
+    out, lse = kernels._flash_attn_forward(q, k, v, True, 0.3)
+    grads = kernels._flash_attn_backward(dout, q, k, v, out, lse, True, 0.3)
+    want = reference(q, k, v, dout, True, 0.3)
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+    assert max(relative_errors((out, *grads), want)) < TOLERANCE[torch.float32]
+
+
+# --- CUDA graphs: ops that communicate or move data to the host ---------------------
+
+@pytest.mark.parametrize("op", ["seq_all_to_all", "ring_attention_fwd", "ring_attention_bwd",
+                                "offload", "reload"])
+def test_communicating_ops_are_cudagraph_unsafe(op):
+    import loong_compile.ops.offload  # noqa: F401  registers loong::offload / loong::reload
+
+    assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.loong, op).default.tags
+
+
+# --- enable_gqa=False means SDPA's semantics: one KV head broadcasts, others must match -
+
+def test_attention_2d_honours_enable_gqa_false():
+    q, k, v, _ = random_qkv_dout(4, 2, 16, 8, torch.float64)
+    with pytest.raises(LoongShapeError, match="enable_gqa=False"):
+        attention_2d(q, k, v, is_causal=True, enable_gqa=False)
+    k1, v1 = k[:, :1], v[:, :1]
+    got = attention_2d(q, k1, v1, is_causal=True, enable_gqa=False)
+    want = F.scaled_dot_product_attention(q, k1, v1, is_causal=True, enable_gqa=False)
+    assert (got - want).abs().max() < TOLERANCE[torch.float64]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from loong_compile._compat import cudagraph_unsafe_tags
 from loong_compile.ops.comm import all_to_all
 
 
@@ -23,7 +24,8 @@ def _exchanged_shape(shape, scatter_dim: int, gather_dim: int, group_size: int) 
     return shape
 
 
-@torch.library.custom_op("loong::seq_all_to_all", mutates_args=())
+@torch.library.custom_op("loong::seq_all_to_all", mutates_args=(),
+                        tags=cudagraph_unsafe_tags())
 def seq_all_to_all(xs: list[Tensor], scatter_dim: int, gather_dim: int, group_size: int,
                    group_name: str) -> list[Tensor]:
     pieces = [x.chunk(group_size, scatter_dim) for x in xs]

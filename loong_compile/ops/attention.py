@@ -30,15 +30,19 @@ from loong_compile.ops.ring import ring_attention_fwd
 def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: float | None = None,
                  hp: int = 1, cp: int = 1, inner_ring: int = 1, hp_group: str = "",
                  kv_inner_group: str = "", kv_outer_group: str = "", dkv_inner_group: str = "",
-                 dkv_outer_group: str = "", return_lse: bool = False):
+                 dkv_outer_group: str = "", return_lse: bool = False, enable_gqa: bool = True):
     """Distributed exact attention of this rank's tokens; ``(B, H, S/sp, D)`` like ``q``.
+
+    K/V may have fewer heads than q (GQA).  ``enable_gqa=False`` is SDPA's:
+    K/V have q's head count or one head (which broadcasts); any other count
+    raises ``LoongShapeError`` as SDPA raises.
 
     ``return_lse=True`` also returns the log-sum-exp per query row,
     ``(B, H, S/sp)`` in float32 (float64 for float64 inputs), not differentiable.
     Raises ``LoongShapeError`` / ``LoongMeshError`` before any collective; the
     checks use only local shapes and mesh sizes, so every rank raises alike.
     """
-    check_attention_inputs(q, k, v, hp=hp, cp=cp, inner_ring=inner_ring)
+    check_attention_inputs(q, k, v, hp=hp, cp=cp, inner_ring=inner_ring, enable_gqa=enable_gqa)
     ring_groups = (kv_inner_group, kv_outer_group, dkv_inner_group, dkv_outer_group)
     check_group_names(hp, cp, inner_ring, hp_group, ring_groups)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
@@ -58,7 +62,7 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: flo
 
 
 def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, hp: int, cp: int,
-                           inner_ring: int) -> None:
+                           inner_ring: int, enable_gqa: bool = True) -> None:
     """Raise ``LoongShapeError`` unless q, k, v fit 2D-Attention on an ``hp × cp`` grid."""
     tensors = {"q": q, "k": k, "v": v}
     for name, t in tensors.items():
@@ -83,6 +87,10 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, hp: int, cp: int,
                               "k and v are (B, H_kv, S, D) with q's batch, local sequence "
                               "length and head dim", "pass k and v of equal shapes matching q")
     kv_heads = k.size(1)
+    if not enable_gqa and kv_heads not in (1, heads):
+        raise LoongShapeError(f"{heads} query heads with {kv_heads} KV heads and enable_gqa=False",
+                              "without GQA, K/V have the query heads or one head, as in SDPA",
+                              "pass enable_gqa=True, or repeat the KV heads to the query heads")
     if heads % kv_heads:
         raise LoongShapeError(f"{heads} query heads with {kv_heads} KV heads",
                               "the query heads are a multiple of the KV heads (GQA groups)",

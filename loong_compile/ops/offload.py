@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch.fx import has_side_effect
 
+from loong_compile._compat import cudagraph_unsafe_tags
+
 # One side stream per CUDA device, and the event of every copy in flight, keyed by the
 # data pointer of the copy's destination (what ``wait_tensor`` receives).
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -52,7 +54,8 @@ def _copy(src: torch.Tensor, dst: torch.Tensor, cuda_device: torch.device | None
     return dst
 
 
-@torch.library.custom_op("loong::offload", mutates_args=())
+@torch.library.custom_op("loong::offload", mutates_args=(),
+                        tags=cudagraph_unsafe_tags())
 def offload(x: torch.Tensor) -> torch.Tensor:
     """A host copy of ``x`` (pinned on CUDA), with ``x``'s strides when ``x`` is dense."""
     if x.device.type == "cuda":
@@ -65,7 +68,8 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x, device="cpu")
 
 
-@torch.library.custom_op("loong::reload", mutates_args=())
+@torch.library.custom_op("loong::reload", mutates_args=(),
+                        tags=cudagraph_unsafe_tags())
 def reload(h: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy of host tensor ``h`` on ``device``.  It is allocated on the compute stream (the
     caching allocator's owner) and written by the side stream."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from loong_compile._compat import cudagraph_unsafe_tags
 from loong_compile.ops.comm import Exchange, group
 from loong_compile.ops.kernels import accumulation_dtype, attention_backward, attention_forward
 
@@ -155,7 +156,8 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 
 # --- custom ops ----------------------------------------------------------------
 
-@torch.library.custom_op("loong::ring_attention_fwd", mutates_args=())
+@torch.library.custom_op("loong::ring_attention_fwd", mutates_args=(),
+                        tags=cudagraph_unsafe_tags())
 def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, cp: int,
                        inner_ring: int, kv_inner_group: str, kv_outer_group: str,
                        dkv_inner_group: str, dkv_outer_group: str) -> tuple[Tensor, Tensor]:
@@ -172,7 +174,8 @@ def _(q, k, v, is_causal, scale, cp, inner_ring, *group_names):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
 
 
-@torch.library.custom_op("loong::ring_attention_bwd", mutates_args=())
+@torch.library.custom_op("loong::ring_attention_bwd", mutates_args=(),
+                        tags=cudagraph_unsafe_tags())
 def ring_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        is_causal: bool, scale: float, cp: int, inner_ring: int,
                        kv_inner_group: str, kv_outer_group: str, dkv_inner_group: str,
