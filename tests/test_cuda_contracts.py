@@ -82,7 +82,7 @@ def test_adapter_hands_kernels_contiguous_row_slices(stand_ins, monkeypatch):
     assert max(relative_errors(got, want)) < TOLERANCE[torch.float64]
 
 
-def _ring_under_strict_kernels(rank, world, kernel, dtype):
+def _ring_under_strict_kernels(rank, world, kernel, dtype, head_dim):
     """cp=2: each rank's blocks include a half-row block (rows S/2: of out and lse)."""
     # CPU tensors routed to a CUDA path of the adapter, in this spawned rank only
     if kernel == "flash_attn":
@@ -97,7 +97,7 @@ def _ring_under_strict_kernels(rank, world, kernel, dtype):
     mesh = init_mesh(hp=1, cp=world)
     seq = 2 * sequence_divisor(world, 1)
     index = mesh_token_indices(seq, mesh)
-    q, k, v, dout = random_qkv_dout(4, 2, seq, 12, dtype, seed=7)
+    q, k, v, dout = random_qkv_dout(4, 2, seq, head_dim, dtype, seed=7)
     want = reference(q, k, v, dout, True)
     local = [t[:, :, index].requires_grad_() for t in (q, k, v)]
     out = attention_2d(*local, is_causal=True, **mesh.attention_kwargs())
@@ -106,10 +106,10 @@ def _ring_under_strict_kernels(rank, world, kernel, dtype):
                     relative_errors(got, (w[:, :, index] for w in want))))
 
 
-@pytest.mark.parametrize("kernel, dtype", [("aten_flash", torch.float64),
-                                           ("flash_attn", torch.float32)])
-def test_ring_attention_exact_under_strict_kernels(stand_ins, kernel, dtype):
-    errors = run_distributed(_ring_under_strict_kernels, 2, kernel, dtype, timeout=120)
+@pytest.mark.parametrize("kernel, dtype, head_dim", [("aten_flash", torch.float64, 16),
+                                                     ("flash_attn", torch.float32, 12)])
+def test_ring_attention_exact_under_strict_kernels(stand_ins, kernel, dtype, head_dim):
+    errors = run_distributed(_ring_under_strict_kernels, 2, kernel, dtype, head_dim, timeout=120)
     assert all(e < TOLERANCE[dtype] for rank in errors for e in rank.values()), errors
 
 
