@@ -6,8 +6,9 @@ Dynamo does not leave ``flash_attn_func`` in the graph: it traces into
 node, whose forward subgraph pads the head dim to a multiple of 8 and calls
 ``torch.ops.flash_attn._flash_attn_forward`` (flash-attn 2.7-2.8; checked on
 torch 2.13).  When no input requires grad, Dynamo inlines the Function and
-the op call sits in the graph itself.  ``match_flash_attn(node)`` reads that subgraph and returns the
-call's operands (outer graph nodes) and settings, or ``None`` for any other node.
+the op call sits in the graph itself.  ``match_flash_attn(node)`` reads either
+form and returns the call's operands (outer graph nodes) and settings, or
+``None`` for any other node.
 """
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ def dynamo_graph(fn, *inputs):
     torch.compile(fn, backend=capture, fullgraph=True)(*inputs)
     (gm,) = graphs
     return gm
+
+
 STAND_INS = ROOT / "tests" / "stand_ins"
 
 

@@ -33,7 +33,8 @@ def require_head_dim_multiple_of_8(*tensors) -> None:
 
 
 def strict_flash_forward(q, k, v, is_causal, scale):
-    """The CPU kernel's results in the CUDA kernel's layouts (the CPU LSE is (B, S, H) in memory)."""
+    """The CPU kernel's results in the CUDA kernel's layouts (the CPU LSE is (B, S, H) in
+    memory, the CUDA kernels' is (B, H, S))."""
     require_head_dim_multiple_of_8(q, k, v)
     return tuple(t.contiguous() for t in sdpa_flash_cpu(q, k, v, is_causal, scale))
 

@@ -15,7 +15,7 @@ class GraphCaptured(Exception):
     """Raised by the captured graph instead of running it (the stand-in refuses some extras)."""
 
 
-def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
+def graph_without_running(fn, *args) -> torch.fx.GraphModule:
     graphs = []
 
     def capture(gm, example_inputs):
@@ -51,8 +51,8 @@ def projections(head_dim, requires_grad):
 @pytest.mark.parametrize("requires_grad", [True, False])
 def test_defaults_matched_with_resolved_scale(flash_attn_stand_in, requires_grad):
     qkv, x, w = projections(8, requires_grad)
-    gm = dynamo_graph(lambda x, w: flash_attn_stand_in.flash_attn_func(*qkv(x, w), causal=True),
-                      x, w)
+    gm = graph_without_running(
+        lambda x, w: flash_attn_stand_in.flash_attn_func(*qkv(x, w), causal=True), x, w)
     found = [r for _, r in matches(gm) if r is not None]
     assert len(found) == 1
     (call,) = found
@@ -79,7 +79,7 @@ def test_padded_head_dim_and_extras_read_from_the_op(flash_attn_stand_in, requir
             alibi_slopes=slopes, return_attn_probs=True)
         return out.sum() + lse.sum()
 
-    gm = dynamo_graph(f, x, w, slopes)
+    gm = graph_without_running(f, x, w, slopes)
     (call,) = [r for _, r in matches(gm) if r is not None]
     assert [n.meta["example_value"].size(-1) for n in (call.q, call.k, call.v)] == [12] * 3
     assert call.alibi_slopes.op == "placeholder"
@@ -100,7 +100,7 @@ def test_other_nodes_are_not_matched(flash_attn_stand_in):
     def f(q):
         return Double.apply(F.scaled_dot_product_attention(q, q, q, is_causal=True))
 
-    gm = dynamo_graph(f, torch.randn(1, 2, 8, 8, requires_grad=True))
+    gm = graph_without_running(f, torch.randn(1, 2, 8, 8, requires_grad=True))
     nodes = matches(gm)
     assert any(n.target is torch.ops.higher_order.autograd_function_apply for n, _ in nodes)
     assert all(r is None for _, r in nodes)

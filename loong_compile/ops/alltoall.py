@@ -25,7 +25,7 @@ def _exchanged_shape(shape, scatter_dim: int, gather_dim: int, group_size: int) 
 
 
 @torch.library.custom_op("loong::seq_all_to_all", mutates_args=(),
-                        tags=cudagraph_unsafe_tags())
+                         tags=cudagraph_unsafe_tags())
 def seq_all_to_all(xs: list[Tensor], scatter_dim: int, gather_dim: int, group_size: int,
                    group_name: str) -> list[Tensor]:
     pieces = [x.chunk(group_size, scatter_dim) for x in xs]

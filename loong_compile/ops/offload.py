@@ -55,7 +55,7 @@ def _copy(src: torch.Tensor, dst: torch.Tensor, cuda_device: torch.device | None
 
 
 @torch.library.custom_op("loong::offload", mutates_args=(),
-                        tags=cudagraph_unsafe_tags())
+                         tags=cudagraph_unsafe_tags())
 def offload(x: torch.Tensor) -> torch.Tensor:
     """A host copy of ``x`` (pinned on CUDA), with ``x``'s strides when ``x`` is dense."""
     if x.device.type == "cuda":
@@ -69,7 +69,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("loong::reload", mutates_args=(),
-                        tags=cudagraph_unsafe_tags())
+                         tags=cudagraph_unsafe_tags())
 def reload(h: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy of host tensor ``h`` on ``device``.  It is allocated on the compute stream (the
     caching allocator's owner) and written by the side stream."""

@@ -157,7 +157,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 # --- custom ops ----------------------------------------------------------------
 
 @torch.library.custom_op("loong::ring_attention_fwd", mutates_args=(),
-                        tags=cudagraph_unsafe_tags())
+                         tags=cudagraph_unsafe_tags())
 def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, cp: int,
                        inner_ring: int, kv_inner_group: str, kv_outer_group: str,
                        dkv_inner_group: str, dkv_outer_group: str) -> tuple[Tensor, Tensor]:
@@ -175,7 +175,7 @@ def _(q, k, v, is_causal, scale, cp, inner_ring, *group_names):
 
 
 @torch.library.custom_op("loong::ring_attention_bwd", mutates_args=(),
-                        tags=cudagraph_unsafe_tags())
+                         tags=cudagraph_unsafe_tags())
 def ring_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        is_causal: bool, scale: float, cp: int, inner_ring: int,
                        kv_inner_group: str, kv_outer_group: str, dkv_inner_group: str,
