@@ -5,8 +5,9 @@ Contract
 stage:    dynamo (torch IR, before AOTAutograd)
 applies:  when ``hp * cp > 1``
 matches:  ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
-          enable_gqa)`` and flash-attn's ``flash_attn_func`` (when installed), in the graph and in
-          the bodies of activation checkpointing; KV heads repeated before the call by
+          enable_gqa)`` and flash-attn's ``flash_attn_func`` (as Dynamo traces it: its
+          autograd.Function around ``torch.ops.flash_attn._flash_attn_forward``, recognised by
+          ``passes/flash_match.py``), in the graph and in the bodies of activation checkpointing; KV heads repeated before the call by
           ``repeat_kv`` (``x[:, :, None].expand(...).reshape(...)``) or
           ``repeat_interleave(n, dim=1)``.
 emits:    one ``loong_compile.ops.attention_2d`` call per site, on the un-repeated KV, with the
@@ -38,28 +39,19 @@ from loong_compile.errors import LoongTokenMixingError, LoongUnsupportedError
 from loong_compile.ops import attention_2d
 from loong_compile.passes import model_facts
 from loong_compile.passes.base import PassContext
+from loong_compile.passes.flash_match import match_flash_attn
 from loong_compile.passes.subgraphs import graph_scopes
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
                  "enable_gqa": False}
-FLASH_PARAMS = ("q", "k", "v", "dropout_p", "softmax_scale", "causal")
 FLASH_DEFAULTS = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
                   "softcap": 0.0, "alibi_slopes": None, "deterministic": False,
                   "return_attn_probs": False}
 MASKS_LATER = ("masks are not distributed yet (packed documents, padding and windows: issue 13); "
                "until then pass no attention_mask, leave use_cache at its default and gradient "
                "checkpointing off (both make transformers build a mask), or run with hp=cp=1")
-
-
-def flash_attn_targets() -> tuple:
-    """flash-attn's functions that Dynamo leaves in the graph, when the package is installed."""
-    try:
-        from flash_attn import flash_attn_func
-    except ImportError:
-        return ()
-    return (flash_attn_func,)
 
 
 class Attention2DPass:
@@ -70,17 +62,19 @@ class Attention2DPass:
         return config.sp > 1
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
-        flash = flash_attn_targets()
         root = model_facts.compiled_module()
-        sites = [(scope, n) for scope in graph_scopes(gm) for n in scope.module.graph.nodes
-                 if n.op == "call_function" and (n.target in SDPA_TARGETS or n.target in flash)]
+        scopes = [s for s in graph_scopes(gm)  # flash-attn's own Function body: matched outside
+                  if s.caller is None or match_flash_attn(s.caller) is None]
+        sites = [(scope, n) for scope in scopes for n in scope.module.graph.nodes
+                 if n.op == "call_function"
+                 and (n.target in SDPA_TARGETS or match_flash_attn(n) is not None)]
         for scope, node in sites:
             if not scope.inline:
                 _refuse(node, f"it sits inside a {scope.hop} body, whose computation the "
                               "backend cannot rewrite as a whole",
                         "call attention outside the higher-order op, or run with hp=cp=1")
-        rewritten = [_rewrite(scope.module.graph, node, ctx, node.target in flash, root)
-                     | {"inside": scope.hop} for scope, node in sites]
+        rewritten = [_rewrite(scope.module.graph, node, ctx, root) | {"inside": scope.hop}
+                     for scope, node in sites]
         for module in {id(m): m for m in [gm] + [s.module for s, _ in sites]}.values():
             module.graph.eliminate_dead_code()
             module.graph.lint()
@@ -113,10 +107,11 @@ def _check_rope(root, rewritten: list[dict], ctx: PassContext) -> dict | None:
     return {"rope_type": rope_type, "threshold": threshold, "global_len": global_len}
 
 
-def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext, is_flash: bool,
+def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext,
              root: torch.nn.Module | None) -> dict:
-    args = _bind(node, FLASH_PARAMS if is_flash else SDPA_PARAMS,
-                 FLASH_DEFAULTS if is_flash else SDPA_DEFAULTS)
+    flash = match_flash_attn(node)
+    is_flash = flash is not None
+    args = _flash_args(flash) if is_flash else _bind(node, SDPA_PARAMS, SDPA_DEFAULTS)
     if is_flash:
         q, k, v = args["q"], args["k"], args["v"]
         causal, scale = args["causal"], args["softmax_scale"]
@@ -136,7 +131,8 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext, is_fl
     tokens = _static(_shape(q)[1 if is_flash else 2])
     window = _check_window(node, root, causal, tokens, ctx.config.sp)
 
-    k_unrepeated, v_unrepeated = _unrepeated_kv(k), _unrepeated_kv(v)
+    # flash-attn takes fewer KV heads as they are; SDPA callers often repeat them first
+    k_unrepeated, v_unrepeated = (None, None) if is_flash else (_unrepeated_kv(k), _unrepeated_kv(v))
     unrepeat = (k_unrepeated is not None and v_unrepeated is not None
                 and _heads(k_unrepeated) == _heads(v_unrepeated))
     if unrepeat:
@@ -144,6 +140,7 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext, is_fl
     if is_flash:  # flash_attn_func takes (B, S, H, D); attention_2d takes SDPA's (B, H, S, D)
         q, k, v = (_insert_before(graph, node, torch.transpose, (t, 1, 2)) for t in (q, k, v))
     kwargs = {"is_causal": causal, "scale": None if scale is None else float(scale),
+              "enable_gqa": is_flash or unrepeat or bool(args["enable_gqa"]),
               **ctx.mesh.attention_kwargs()}
     with graph.inserting_before(node):
         new = graph.call_function(attention_2d, (q, k, v), kwargs)
@@ -154,8 +151,7 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext, is_fl
         result = _insert_before(graph, node, torch.transpose, (new, 1, 2))
         _copy_meta(node, result)
         result.meta["example_value"] = _transposed(new.meta["example_value"])
-    node.replace_all_uses_with(result)
-    graph.erase_node(node)
+    _replace_output(graph, node, result, is_flash)
     return {
         "node": new.name, "replaced": node.name, "source": _source_line(node),
         "module": _module_path(node), "heads": _heads(q), "kv_heads": _heads(k),
@@ -165,6 +161,31 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext, is_fl
         "hp": ctx.config.hp, "cp": ctx.config.cp, "inner_ring": ctx.config.inner_ring,
         "placement": ctx.config.placement,
     }
+
+
+def _flash_args(call) -> dict[str, Any]:
+    """A traced flash_attn_func's settings, keyed like flash_attn_func's parameters."""
+    return {"q": call.q, "k": call.k, "v": call.v, "causal": call.causal,
+            "softmax_scale": call.softmax_scale, "dropout_p": call.dropout_p,
+            "window_size": tuple(call.window_size), "softcap": call.softcap,
+            "alibi_slopes": call.alibi_slopes, "return_attn_probs": call.reads_attn_probs,
+            "enable_gqa": True}
+
+
+def _replace_output(graph: torch.fx.Graph, node: torch.fx.Node, result: torch.fx.Node,
+                    is_flash: bool) -> None:
+    """Point the call's users at ``result``: SDPA's output is the node, flash-attn's is item 0
+    of its (out, lse, probs) tuple (nothing reads the others: refused above)."""
+    if not is_flash:
+        node.replace_all_uses_with(result)
+    else:
+        for user in list(node.users):
+            if user.target is operator.getitem and user.args[1] == 0:
+                user.replace_all_uses_with(result)
+            if not user.users:
+                graph.erase_node(user)
+    if not node.users:
+        graph.erase_node(node)
 
 
 def _static(size: Any) -> int | None:

@@ -8,11 +8,14 @@ over the ranks equal one process's on the full sequence.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from conftest import STAND_INS
 from loong_compile.testing import run_distributed
 
 B, S, D, HEADS = 2, 32, 16, 4
@@ -59,10 +62,23 @@ class FlexAttention(Block):
         return self.out(flex_attention(q, k, v).transpose(1, 2).flatten(-2))
 
 
-MODELS = {"checkpointed_sdpa": lambda: Checkpointed(),
+class FlashAttn(Block):
+    """flash_attn_func as models call it: (B, S, H, D), GQA by fewer KV heads (the stand-in)."""
+
+    def forward(self, x):
+        from flash_attn import flash_attn_func
+
+        q, k, v = (t.unflatten(-1, (HEADS, -1)) for t in self.qkv(x).chunk(3, -1))
+        y = flash_attn_func(q, k[:, :, :2], v[:, :, :2], causal=True)
+        return x + self.out(y.flatten(-2))
+
+
+MODELS = {"checkpointed_sdpa": lambda: Checkpointed(), "flash_attn_func": lambda: FlashAttn(),
           "mha_sdpa_path": lambda: MultiheadAttention(need_weights=False),
           "mha_weights": lambda: MultiheadAttention(need_weights=True),
           "flex_attention": lambda: FlexAttention()}
+# the one-process reference of flash-attn (the stand-in) keeps its LSE in float32, as flash-attn
+FLOAT32_INSIDE = {"flash_attn_func": 1e-6}
 REFUSED = {"mha_sdpa_path": ["multi_head_attention_forward", "scaled_dot_product_attention"],
            "mha_weights": ["multi_head_attention_forward"], "flex_attention": ["flex_attention"]}
 
@@ -89,6 +105,7 @@ def _on_ranks(rank, world, names):
     from loong_compile.data import mesh_token_indices
     from loong_compile.errors import LoongError
 
+    sys.path.insert(0, str(STAND_INS))  # the flash-attn 2.8 stand-in, for this rank only
     mesh = lc.init_mesh(cp=world)
     index = mesh_token_indices(S, mesh)
     results = {}
@@ -122,7 +139,7 @@ def outcomes():
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_attention_form(outcomes, name):
+def test_attention_form(outcomes, name, stand_ins):
     outcome = outcomes[name]
     if name in REFUSED:
         assert outcome[0] == "refused", f"{name} ran instead of being refused"
@@ -131,6 +148,8 @@ def test_attention_form(outcomes, name):
         return
     assert outcome[0] == "ok", outcome
     ref_loss, ref_grads = _step(_model(name), _inputs())
-    assert abs(outcome[1] - ref_loss.item()) <= 1e-10 * abs(ref_loss.item())
+    rtol = FLOAT32_INSIDE.get(name, 1e-10)
+    assert abs(outcome[1] - ref_loss.item()) <= rtol * abs(ref_loss.item())
     for param, grad in ref_grads.items():
-        torch.testing.assert_close(torch.from_numpy(outcome[2][param]), grad, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(torch.from_numpy(outcome[2][param]), grad, rtol=rtol * 10,
+                                   atol=rtol * 1e-2)
