@@ -1,7 +1,9 @@
 """Tiny Hugging Face models built from their config classes (no download), for the trust matrix.
 
-Every architecture gets the same small sizes (2 layers, width 32, 4 heads of 8, 2 KV heads where
-the model has GQA), no dropout, and a window only when a case asks for one.
+Every architecture gets the same small sizes (one layer, two for Gemma3's sliding + full pair;
+width 32, 4 heads of 8, 2 KV heads where the model has GQA), no dropout, and a window only when a
+case asks for one.  One layer keeps the matrix's compile time down; what a layer computes is the
+same in every layer.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import torch
 
 VOCAB = 64
 WIDTH = 32
-LAYERS = 2
+LAYERS = 1
 
 
 def _common(attn: str) -> dict:
@@ -45,7 +47,7 @@ def _mistral(attn, window):
 def _gemma3(attn, window):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     return Gemma3ForCausalLM(Gemma3TextConfig(
-        **_common(attn), head_dim=8, sliding_window=window or 4096,
+        **_common(attn) | {"num_hidden_layers": 2}, head_dim=8, sliding_window=window or 4096,
         layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=8))
 
 
