@@ -36,6 +36,10 @@ class LoongShapeError(LoongError, ValueError):
     """Tensor shapes, dtypes or devices violate what 2D-Attention needs."""
 
 
+class LoongLayoutError(LoongError, ValueError):
+    """What a compiled graph receives (position ids) does not match the token layout of the mesh."""
+
+
 class LoongUnsupportedError(LoongError):
     """A graph pattern (mask, dropout, ...) that cannot be computed exactly when distributed."""
 
