@@ -17,8 +17,8 @@ from typing import Any
 
 from loong_compile.config import LoongConfig
 from loong_compile.errors import (
-    LoongConfigError, LoongError, LoongLayoutError, LoongMeshError, LoongRankMismatchError,
-    LoongShapeError, LoongUnsupportedError,
+    LoongConfigError, LoongError, LoongMeshError, LoongRankMismatchError, LoongShapeError,
+    LoongUnsupportedError,
 )
 
 # public name -> module that defines it (imported on first access)
@@ -55,7 +55,6 @@ _register_backend_unless_installed()
 
 __all__ = [
     "GraphReport", "LoongBackend", "LoongConfig", "LoongConfigError", "LoongError",
-    "LoongLayoutError", "LoongMeshError", "LoongRankMismatchError", "LoongShapeError",
-    "LoongUnsupportedError", "Report", "explain", "gather_sequence", "init_mesh", "loong_backend",
-    "shard_batch",
+    "LoongMeshError", "LoongRankMismatchError", "LoongShapeError", "LoongUnsupportedError",
+    "Report", "explain", "gather_sequence", "init_mesh", "loong_backend", "shard_batch",
 ]

@@ -33,11 +33,8 @@ class LoongMeshError(LoongError, ValueError):
 
 
 class LoongShapeError(LoongError, ValueError):
-    """Tensor shapes, dtypes or devices violate what 2D-Attention needs."""
-
-
-class LoongLayoutError(LoongError, ValueError):
-    """What a compiled graph receives (position ids) does not match the token layout of the mesh."""
+    """Tensor shapes, dtypes, devices or token layout (position ids) violate what 2D-Attention
+    needs."""
 
 
 class LoongUnsupportedError(LoongError):

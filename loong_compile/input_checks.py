@@ -27,9 +27,7 @@ import torch.fx
 
 from loong_compile import _compat
 from loong_compile.data import layout_positions
-from loong_compile.errors import (
-    LoongError, LoongLayoutError, LoongShapeError, LoongUnsupportedError,
-)
+from loong_compile.errors import LoongError, LoongShapeError, LoongUnsupportedError
 
 # where Dynamo read a graph input from: the compiled function's own argument or one of its
 # **kwargs (``L['position_ids']``, ``L['kwargs']['position_ids']``)
@@ -38,18 +36,19 @@ _CACHED_LENGTHS = 16
 
 
 class Verdict(enum.IntEnum):
-    """One rank's finding, ordered so that the largest across ranks picks the error."""
+    """One rank's finding, ordered so that the largest across ranks picks the error: a rank
+    that holds a document's start at its first token looks LOCAL, the others PACKED."""
 
     OK = 0
-    PACKED = 1    # restarts at 0 inside the sequence: documents packed into one row
-    LOCAL = 2     # 0..S_local-1: the rank's own tokens counted from 0
+    LOCAL = 1     # 0..S_local-1: the rank's own tokens counted from 0
+    PACKED = 2    # counted from document starts at or before each token: packed documents
     OTHER = 3     # anything else that is not the layout's
     LENGTH = 4    # S_local·hp·cp is no sequence length the layout can split
 
 
 CAUSES = {
-    Verdict.PACKED: "positions restart at 0 inside the sequence (packed documents)",
     Verdict.LOCAL: "positions count this rank's own tokens from 0",
+    Verdict.PACKED: "positions count from document starts (packed documents)",
     Verdict.OTHER: "positions are not those of the tokens the layout gives the rank",
     Verdict.LENGTH: "the local length times hp*cp is no sequence length the layout can split",
 }
@@ -95,7 +94,7 @@ class PositionCheck:
         dist.all_reduce(verdicts, group=_compat.resolve_process_group(self.mesh.group_names["sp"]))
         failing = {rank: Verdict(v) for rank, v in zip(self.mesh.sp_ranks, verdicts.tolist()) if v}
         if failing:
-            raise _error(failing, self.mesh, detail)
+            raise _error(failing, self.mesh, positions.shape[-1] if positions.dim() else 0, detail)
 
     def verdict(self, positions: torch.Tensor) -> tuple[Verdict, str]:
         """This rank's verdict on ``positions`` and, when not OK, what it holds instead."""
@@ -111,9 +110,8 @@ class PositionCheck:
         verdict = classify(positions, expected)
         rows = positions.reshape(-1, local_len)
         row = next(r for r in rows if not torch.equal(r, expected))
-        return verdict, (f"rank {self.mesh.rank} holds positions {describe(expected)} of a "
-                         f"{local_len * self.mesh.sp}-token sequence; its position_ids are "
-                         f"{describe(row)}")
+        return verdict, (f"rank {self.mesh.rank} holds positions {describe(expected)}, its "
+                         f"position_ids are {describe(row)}")
 
     def _expected_for(self, local_len: int, like: torch.Tensor) -> torch.Tensor:
         key = (local_len, like.device, like.dtype)
@@ -153,11 +151,12 @@ def describe(positions: torch.Tensor, most: int = 4) -> str:
     return text + (", ..." if len(runs) > most else "")
 
 
-def _error(failing: dict[int, Verdict], mesh: Any, detail: str) -> LoongError:
-    """The same error class and rule on every rank of the sequence; each names its own detail."""
+def _error(failing: dict[int, Verdict], mesh: Any, local_len: int, detail: str) -> LoongError:
+    """The same error class and rule on every rank of the sequence; each adds its own detail."""
     worst = max(failing.values())
     causes = "; ".join(f"rank {rank}: {CAUSES[v]}" for rank, v in sorted(failing.items()))
-    what = (f"position_ids do not match the token layout of hp={mesh.hp}, cp={mesh.cp}, "
+    what = (f"position_ids of {local_len} tokens per rank (a {local_len * mesh.sp}-token "
+            f"sequence) do not match the token layout of hp={mesh.hp}, cp={mesh.cp}, "
             f"placement={mesh.placement!r} on ranks {sorted(failing)} ({causes})"
             + (f"; {detail}" if detail else ""))
     shard = ("cut each full (B, S) batch with loong_compile.shard_batch(input_ids, labels, mesh) "
@@ -173,7 +172,7 @@ def _error(failing: dict[int, Verdict], mesh: Any, detail: str) -> LoongError:
         return LoongShapeError(
             what, "position_ids holds S_local tokens of a sequence of S_local*hp*cp, which the "
             "layout must split", shard)
-    return LoongLayoutError(
+    return LoongShapeError(
         what, "under hp*cp > 1 a rank holds some tokens of a longer sequence; its position_ids "
         "are their global positions in the layout (see docs/usage.md, \"Sharding the inputs\")",
         shard)
