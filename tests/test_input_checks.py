@@ -110,8 +110,11 @@ def received(rank: int, world: int) -> dict:
 
     # obs 7: batch size 1 and a second length (Dynamo makes the length dynamic), then
     # mark_dynamic as docs/usage.md shows: one graph on every rank, exact
+    # (token_locality reads the local length with int(), which specialises a marked dimension:
+    # a separate defect, which test_rank_safety's mark_dynamic test shows; left out here)
     for name, dynamic in (("batch1_second_length", False), ("batch1_mark_dynamic", True)):
-        compiled = _compiled({**hp2cp2, "lowering": "aot_eager"})
+        compiled = _compiled({**hp2cp2, "lowering": "aot_eager",
+                              "disable_passes": ["token_locality"] if dynamic else []})
         out[f"{name}_losses"] = losses = []
         out[name] = error_of(lambda: losses.extend(
             (_distributed_loss(compiled, _ids(1, seq, seq), mesh, dynamic=dynamic),
