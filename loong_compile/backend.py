@@ -149,7 +149,12 @@ class _GraphCompile:
         self.run_stage("dynamo", self.gm, "dynamo")
         self.gm.recompile()
         self._check_ranks_agree()
-        return input_checks.checking_positions(self._lower(example_inputs), self.gm, self.mesh)
+        compiled, summary = input_checks.checking_positions(
+            self._lower(example_inputs), self.gm, self.mesh)
+        if summary is not None:
+            self.report.passes.append(PassRecord("input_checks", "dynamo", "dynamo", 0.0, summary))
+            self._publish()
+        return compiled
 
     def _lower(self, example_inputs: Sequence[Any]) -> Callable:
         lowering = self.config.lowering

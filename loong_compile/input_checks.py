@@ -62,19 +62,27 @@ def position_ids_index(gm: torch.fx.GraphModule) -> int | None:
     return None
 
 
-def checking_positions(compiled: Callable, gm: torch.fx.GraphModule, mesh: Any) -> Callable:
+def checking_positions(compiled: Callable, gm: torch.fx.GraphModule,
+                       mesh: Any) -> tuple[Callable, dict[str, Any] | None]:
     """``compiled``, checking its position ids before each call when ``gm`` takes them and
-    ``mesh`` splits sequences over more than one rank; else ``compiled`` itself."""
+    ``mesh`` splits sequences over more than one rank; and the report's summary of that
+    decision (None on one rank of a sequence, where positions are the user's own business)."""
+    if mesh is None or mesh.sp == 1:
+        return compiled, None
     index = position_ids_index(gm)
-    if mesh is None or mesh.sp == 1 or index is None:
-        return compiled
+    if index is None:
+        return compiled, {"matched": 0, "position_ids": None, "result": (
+            "position_ids is no input of this graph: nothing to check at run time (positions "
+            "the model makes from the local length are refused by token_locality)")}
     check = PositionCheck(mesh, index)
 
     def checked(*args: Any) -> Any:
         check(args)
         return compiled(*args)
 
-    return checked
+    return checked, {"matched": 1, "position_ids": f"graph input {index}", "result": (
+        f"compared with the layout of hp={mesh.hp}, cp={mesh.cp} before each call; the "
+        f"verdicts of the {mesh.sp} ranks of the sequence are all-reduced")}
 
 
 class PositionCheck:

@@ -65,7 +65,7 @@ def check_agreement(topic: str, mine: dict[str, Any], timeout: float,
     ranks = list(range(dist.get_world_size())) if ranks is None else sorted(ranks)
     if len(ranks) == 1:
         return
-    members = "-".join(map(str, ranks))
+    members = hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:16]
     round_ = next(_rounds[topic, members])
     prefix = f"loong_compile/{topic}/{members}/{round_}/"
     store.set(prefix + str(rank), _dumps(mine))

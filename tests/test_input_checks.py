@@ -66,10 +66,10 @@ def _distributed_loss(compiled, ids, mesh, position_ids=None, dynamic=False) -> 
     return loss.item()
 
 
-def _compiled(options):
+def _compiled(options, on_report=None):
     torch._dynamo.reset()
-    return torch.compile(_model(), backend="loong", fullgraph=True,
-                         options={"lowering": "eager", **options})
+    backend = lc.LoongBackend({"lowering": "eager", **options}, on_report=on_report)
+    return torch.compile(_model(), backend=backend, fullgraph=True)
 
 
 def received(rank: int, world: int) -> dict:
@@ -106,7 +106,9 @@ def received(rank: int, world: int) -> dict:
         out[name] = error_of(run)
         out[f"{name}_ok"] = still_in_step()
     # the layout's own positions run, exactly
-    out["good"] = (_distributed_loss(_compiled(hp2cp2), ids, mesh), _reference(ids))
+    reports = []
+    out["good"] = (_distributed_loss(_compiled(hp2cp2, reports.append), ids, mesh), _reference(ids))
+    out["good_summary"] = reports[-1].summary("input_checks")
 
     # obs 7: batch size 1 and a second length (Dynamo makes the length dynamic), then
     # mark_dynamic as docs/usage.md shows: one graph on every rank, exact
@@ -201,6 +203,7 @@ def test_the_layouts_positions_run_exactly(four_ranks):
     for out in four_ranks:
         loss, ref = out["good"]
         assert abs(loss - ref) <= 1e-12 * abs(ref), (loss, ref)
+        assert out["good_summary"]["matched"] == 1, out["good_summary"]
 
 
 @pytest.mark.slow
