@@ -112,8 +112,8 @@ def received(rank: int, world: int) -> dict:
 
     # obs 7: batch size 1 and a second length (Dynamo makes the length dynamic), then
     # mark_dynamic as docs/usage.md shows: one graph on every rank, exact
-    # (token_locality reads the local length with int(), which specialises a marked dimension:
-    # a separate defect, which test_rank_safety's mark_dynamic test shows; left out here)
+    # (token_locality reads the local length with int(): at batch size 1 that specialises the
+    # marked dimension, a ConstraintViolationError of its own; that pass is left out here)
     for name, dynamic in (("batch1_second_length", False), ("batch1_mark_dynamic", True)):
         compiled = _compiled({**hp2cp2, "lowering": "aot_eager",
                               "disable_passes": ["token_locality"] if dynamic else []})
