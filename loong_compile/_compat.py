@@ -119,6 +119,21 @@ def store_wait(store, keys: list[str], timeout_s: float) -> None:
     store.wait(keys, timedelta(seconds=timeout_s))
 
 
+# --- run-time input checks (input_checks.py) ---------------------------------
+
+def placeholder_sources(gm) -> list[str | None]:
+    """Where Dynamo read each graph input of ``gm`` from (``"L['position_ids']"``), or None.
+
+    Checked against torch 2.13: a Dynamo placeholder's ``meta["grapharg"]`` is a
+    ``GraphArg`` whose ``source.name`` is a string property.
+    """
+    names = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        names.append(None if source is None else source.name)
+    return names
+
+
 # --- AOTAutograd / partitioner (backend.py, passes/activations.py) ----------
 
 def aot_autograd(**kwargs):

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.fx
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
-from loong_compile import _compat, rank_check
+from loong_compile import _compat, input_checks, rank_check
 from loong_compile.config import LoongConfig
 from loong_compile.errors import LoongConfigError
 from loong_compile.inspect import Dumper, GraphReport, PassRecord
@@ -94,6 +94,7 @@ class _GraphCompile:
     def __init__(self, backend: LoongBackend, gm: torch.fx.GraphModule):
         self.config = backend.config
         self.gm = gm
+        rank_check.announce("options", rank_check.comparable_options(self.config.to_dict()))
         self.mesh = _mesh_for(self.config)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.report = GraphReport(graph_id=next(_graph_ids), rank=rank, config=self.config.to_dict())
@@ -148,6 +149,14 @@ class _GraphCompile:
         self.run_stage("dynamo", self.gm, "dynamo")
         self.gm.recompile()
         self._check_ranks_agree()
+        compiled, summary = input_checks.checking_positions(
+            self._lower(example_inputs), self.gm, self.mesh)
+        if summary is not None:
+            self.report.passes.append(PassRecord("input_checks", "dynamo", "dynamo", 0.0, summary))
+            self._publish()
+        return compiled
+
+    def _lower(self, example_inputs: Sequence[Any]) -> Callable:
         lowering = self.config.lowering
         if lowering == "eager":
             return self.gm.forward
@@ -165,7 +174,7 @@ class _GraphCompile:
             return
         rank_check.check_agreement(
             "compile", rank_check.compile_fingerprint(self.config.to_dict(), self.gm, collectives),
-            self.config.rank_check_timeout)
+            self.config.rank_check_timeout, ranks=self.mesh.sp_ranks)
         self.report.passes.append(PassRecord("rank_check", "dynamo", "dynamo", 0.0, {
             "matched": len(collectives), "changed": 0,
             "result": "all ranks compiled the same graph with the same options"}))
@@ -251,7 +260,6 @@ def _mesh_for(config: LoongConfig) -> Any:
     initialized = dist.is_available() and dist.is_initialized()
     if not initialized and config.sp == 1:
         return None
-    from loong_compile.mesh import init_mesh
+    from loong_compile.mesh import mesh_for_options
 
-    return init_mesh(hp=config.hp, cp=config.cp, placement=config.placement,
-                     inner_ring=config.inner_ring)
+    return mesh_for_options(config)

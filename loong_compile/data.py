@@ -69,6 +69,12 @@ def mesh_token_indices(seq_len: int, mesh, rank: int | None = None) -> torch.Ten
     return local_token_indices(seq_len, mesh.cp, mesh.hp, cp_rank, hp_rank)
 
 
+def layout_positions(local_len: int, mesh, rank: int | None = None) -> torch.Tensor:
+    """The global positions ``rank`` of ``mesh`` holds when it holds ``local_len`` tokens:
+    what its ``position_ids`` must be (``loong_compile.input_checks`` compares them)."""
+    return mesh_token_indices(local_len * mesh.sp, mesh, rank)
+
+
 class ShardedBatch(NamedTuple):
     """This rank's tokens: ``(B, S/sp)`` input ids, global position ids and shifted labels."""
 
@@ -85,7 +91,8 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, mesh) -> S
     where ``p`` is the token's global position, and ``-100`` at ``p = S-1``.
     A model must therefore not shift them again; the per-token losses summed
     over the SP group equal the one-process loss.  For ``dp > 1`` pass each
-    data-parallel replica its own batch.
+    data-parallel replica its own batch.  Every output is a new contiguous tensor, so all
+    ranks pass Dynamo inputs of one layout (and compile one graph).
     """
     if input_ids.dim() != 2:
         raise LoongShapeError(f"input_ids of shape {tuple(input_ids.shape)}",
@@ -98,7 +105,9 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, mesh) -> S
                               "(shard_batch shifts them)")
     batch, seq_len = input_ids.shape
     index = mesh_token_indices(seq_len, mesh).to(input_ids.device)
-    position_ids = index.unsqueeze(0).expand(batch, -1).contiguous()
+    # a new tensor, never a view of ``index`` (at an offset that differs by rank: Dynamo
+    # would then specialise on it, and the ranks would compile different graphs)
+    position_ids = index.repeat(batch, 1)
     shifted = None
     if labels is not None:
         pad = labels.new_full((batch, 1), IGNORE_INDEX)

@@ -33,7 +33,8 @@ class LoongMeshError(LoongError, ValueError):
 
 
 class LoongShapeError(LoongError, ValueError):
-    """Tensor shapes, dtypes or devices violate what 2D-Attention needs."""
+    """Tensor shapes, dtypes, devices or token layout (position ids) violate what 2D-Attention
+    needs."""
 
 
 class LoongUnsupportedError(LoongError):

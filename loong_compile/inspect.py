@@ -53,7 +53,7 @@ class GraphReport:
                        + (f" ({graph_kind})" if graph_kind else ""))
 
     def to_dict(self) -> dict[str, Any]:
-        return _jsonable(dataclasses.asdict(self))
+        return _jsonable(self)
 
     def to_markdown(self) -> str:
         lines = [f"# loong_compile report: graph {self.graph_id}, rank {self.rank}", "",
@@ -139,6 +139,10 @@ def _readable(graph: Any) -> str:
 
 
 def _jsonable(value: Any) -> Any:
+    # not dataclasses.asdict: it deep-copies every value, and the summary of a dynamic-shape
+    # graph holds symbolic sizes (SymInt), which do not copy
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -81,6 +81,11 @@ class LoongMesh:
         return self.dp * self.sp
 
     @property
+    def sp_ranks(self) -> list[int]:
+        """The global ranks that share this rank's sequence (its replica), in rank order."""
+        return self.group_ranks["sp"][self.dp_rank]
+
+    @property
     def outer_ring(self) -> int:
         return self.cp // self.inner_ring
 
@@ -133,29 +138,83 @@ class LoongMesh:
 
 
 _CACHE: dict[tuple, LoongMesh] = {}
+_USER_MESHES: list[LoongMesh] = []   # built by init_mesh: the meshes batches are cut with
 
 
 def init_mesh(hp: int = 1, cp: int = 1, placement: str = "head_first", inner_ring: int = 1,
-              dp: int | None = None) -> LoongMesh:
-    """The (cached) mesh for these sizes.
+              dp: int | None = None, *, rank_check_timeout: float | None = None) -> LoongMesh:
+    """The (cached) mesh for these sizes: the one ``shard_batch`` cuts a batch with.
 
     Works with an initialised default process group, and without one when
     ``hp = cp = 1`` (a single-process mesh with no groups).  Raises
-    ``LoongMeshError`` before creating any group when the sizes do not fit.
+    ``LoongMeshError`` before creating any group when the sizes do not fit, and
+    ``LoongRankMismatchError`` when ranks ask for different meshes, after at most
+    ``rank_check_timeout`` seconds (default: ``LOONG_RANK_CHECK_TIMEOUT``, else 300).
+    The backend's options must then describe one of the meshes built here.
     """
+    if rank_check_timeout is None:
+        from loong_compile.config import LoongConfig
+
+        rank_check_timeout = LoongConfig.from_options().rank_check_timeout
+    mesh = _cached_mesh(hp, cp, placement, inner_ring, dp, rank_check_timeout)
+    if mesh not in _USER_MESHES:
+        _USER_MESHES.append(mesh)
+    return mesh
+
+
+def mesh_for_options(config) -> LoongMesh:
+    """The mesh the backend runs on for ``config`` (a ``LoongConfig``).
+
+    Raises ``LoongMeshError`` when ``init_mesh`` built meshes in this process
+    group and none has the options' layout: the batch was then cut for another
+    layout than the one attention assumes, and every result would be wrong.
+    """
+    return _cached_mesh(config.hp, config.cp, config.placement, config.inner_ring, None,
+                        config.rank_check_timeout, against_user_meshes=True)
+
+
+def _cached_mesh(hp, cp, placement, inner_ring, dp, timeout: float,
+                 against_user_meshes: bool = False) -> LoongMesh:
+    request = {"hp": hp, "cp": cp, "placement": placement, "inner_ring": inner_ring, "dp": dp}
+    # announced first: ranks whose agreement never meets this rank name what it asked for
+    rank_check.announce("mesh", request)
+    world_group = dist.group.WORLD if dist.is_initialized() else None
+    asked = (hp, cp, placement, inner_ring, dp)
+    if not _is_cached(asked, world_group):
+        # ranks asking for different meshes would create groups no one else matches: a hang.
+        # Agreed before validating, so that a request only some ranks refuse raises everywhere.
+        rank_check.check_agreement("mesh", request, timeout)
     world = dist.get_world_size() if dist.is_initialized() else 1
     dp = _validate(hp, cp, placement, inner_ring, dp, world)
-    world_group = dist.group.WORLD if dist.is_initialized() else None
+    if against_user_meshes:
+        _check_against_user_meshes(hp, cp, placement, world_group)
     key = (hp, cp, placement, inner_ring, dp)
+    if not _is_cached(key, world_group):
+        _CACHE[key] = _build(hp, cp, placement, inner_ring, dp, world_group)
+        log.debug("%s", _CACHE[key].describe())
+    _CACHE[asked] = _CACHE[key]
+    return _CACHE[key]
+
+
+def _is_cached(key: tuple, world_group) -> bool:
     mesh = _CACHE.get(key)
-    if mesh is None or mesh._world is not world_group:
-        # ranks asking for different meshes would create groups no one else matches: a hang
-        rank_check.check_agreement("mesh", {"hp": hp, "cp": cp, "placement": placement,
-                                            "inner_ring": inner_ring, "dp": dp})
-        mesh = _build(hp, cp, placement, inner_ring, dp, world_group)
-        _CACHE[key] = mesh
-        log.debug("%s", mesh.describe())
-    return mesh
+    return mesh is not None and mesh._world is world_group
+
+
+def _check_against_user_meshes(hp: int, cp: int, placement: str, world_group) -> None:
+    """The options' layout (hp, cp, placement: what decides which tokens a rank holds) must be
+    that of a mesh ``init_mesh`` built in this process group, if it built any."""
+    built = [m for m in _USER_MESHES if m._world is world_group]
+    if not built or any((m.hp, m.cp, m.placement) == (hp, cp, placement) for m in built):
+        return
+    meshes = ", ".join(f"init_mesh(hp={m.hp}, cp={m.cp}, placement={m.placement!r})" for m in built)
+    first = built[-1]
+    raise LoongMeshError(
+        f"options hp={hp}, cp={cp}, placement={placement!r} but this process built {meshes}",
+        "the backend's options describe the mesh the batch was cut with (shard_batch): "
+        "another layout gives each rank other tokens than attention assumes",
+        f"pass options with hp={first.hp}, cp={first.cp}, placement={first.placement!r} "
+        f"(or build the mesh with the options' sizes)")
 
 
 def _validate(hp, cp, placement, inner_ring, dp, world) -> int:

@@ -7,6 +7,10 @@ what it is about to do in the process group's key-value store, waits for
 everybody else's (with a timeout) and compares.  The store is not a process
 group, so this never interleaves with the model's own collectives, and a rank
 that never arrives is reported instead of waited for forever.
+
+The mesh is compared across the world (every rank creates every group); a
+compiled graph within the ranks that share a sequence (``hp·cp``), whose
+collectives it issues: data-parallel replicas may see other lengths.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import collections
 import hashlib
 import itertools
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,43 +29,111 @@ import torch.fx
 from loong_compile import _compat
 from loong_compile.errors import LoongRankMismatchError
 
-DEFAULT_TIMEOUT = 300.0
-_rounds: dict[str, itertools.count] = collections.defaultdict(itertools.count)
+_rounds: dict[tuple[str, str], itertools.count] = collections.defaultdict(itertools.count)
+# what each rank last announced (options, mesh request): named in the error when ranks never meet
+ANNOUNCED = ("options", "mesh")
 
 
-def check_agreement(topic: str, mine: dict[str, Any], timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Raise ``LoongRankMismatchError`` on every rank unless all ranks publish the same ``mine``.
-
-    ``topic`` names what is compared ("mesh", "compile"); each call is one round of it, so
-    every rank must make the same calls in the same order.
-    """
+def _store_and_rank():
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None, 0
+    return _compat.default_store(), dist.get_rank()
+
+
+def announce(topic: str, value: dict[str, Any]) -> None:
+    """Publish what this rank is about to use for ``topic`` (one of ``ANNOUNCED``); no waiting.
+
+    A rank that takes another path (a cached mesh, an error of its own) never reaches the
+    others' agreement round; what it announced lets their timeout error name the difference.
+    """
+    store, rank = _store_and_rank()
+    if store is not None:
+        store.set(f"loong_compile/announced/{topic}/{rank}", _dumps(value))
+
+
+def check_agreement(topic: str, mine: dict[str, Any], timeout: float,
+                    ranks: Sequence[int] | None = None) -> None:
+    """Raise ``LoongRankMismatchError`` on every rank of ``ranks`` (default: the world) unless
+    they all publish the same ``mine`` within ``timeout`` seconds.
+
+    ``topic`` names what is compared ("mesh", "compile"); each call is one round of it
+    within that set of ranks, so those ranks must make the same calls in the same order.
+    """
+    store, rank = _store_and_rank()
+    if store is None:
         return
-    store = _compat.default_store()
-    round_, rank, world = next(_rounds[topic]), dist.get_rank(), dist.get_world_size()
-    prefix = f"loong_compile/{topic}/{round_}/"
-    store.set(prefix + str(rank), json.dumps(mine, sort_keys=True, default=str))
+    ranks = list(range(dist.get_world_size())) if ranks is None else sorted(ranks)
+    if len(ranks) == 1:
+        return
+    members = hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:16]
+    round_ = next(_rounds[topic, members])
+    prefix = f"loong_compile/{topic}/{members}/{round_}/"
+    store.set(prefix + str(rank), _dumps(mine))
     try:
-        _compat.store_wait(store, [prefix + str(r) for r in range(world)], timeout)
+        _compat.store_wait(store, [prefix + str(r) for r in ranks], timeout)
     except Exception:  # noqa: BLE001 - a store timeout: some rank never got here
-        missing = [r for r in range(world) if not store.check([prefix + str(r)])]
+        missing = [r for r in ranks if not store.check([prefix + str(r)])]
         raise LoongRankMismatchError(
-            f"rank {rank} reached {topic} #{round_} but ranks {missing} did not within {timeout:.0f} s",
+            f"rank {rank} reached {topic} #{round_} but ranks {missing} did not within "
+            f"{timeout:g} s{_announced_differences(store, ranks)}",
             f"every rank makes the same {topic} calls in the same order (a recompile, e.g. for a "
             "new sequence length, must happen on all ranks)",
-            "feed every rank inputs of the same shapes and the same options; see docs/usage.md "
-            "(\"Ranks must agree\")") from None
-    mine_json = json.loads(json.dumps(mine, sort_keys=True, default=str))
-    theirs = {r: json.loads(store.get(prefix + str(r))) for r in range(world)}
-    differing = sorted(r for r, other in theirs.items() if other != mine_json)
-    if differing:
-        other = differing[0]
+            "feed every rank inputs of the same shapes and the same options and mesh sizes; see "
+            "docs/usage.md (\"Ranks must agree\")") from None
+    mine_json = json.loads(_dumps(mine))
+    theirs = {r: json.loads(store.get(prefix + str(r))) for r in ranks}
+    if any(other != mine_json for other in theirs.values()):
         raise LoongRankMismatchError(
-            f"{topic} #{round_}: rank {rank} and rank {other} differ: "
-            f"{_difference(mine_json, theirs[other])} (ranks that differ from rank {rank}: {differing})",
+            f"{topic} #{round_}: the ranks differ: {who_has_what(theirs)}",
             f"all ranks of a job agree on the {topic} before the first collective",
             "pass identical options (and LOONG_* variables), mesh sizes and same-shaped inputs "
             "on every rank")
+
+
+def _dumps(value: dict[str, Any]) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _announced_differences(store, ranks: list[int]) -> str:
+    """What ``ranks`` last announced, where they differ (ranks that announced nothing are
+    left out): ``"; options: cp=1 on ranks [0], cp=2 on ranks [1]"``."""
+    parts = []
+    for topic in ANNOUNCED:
+        keys = {r: f"loong_compile/announced/{topic}/{r}" for r in ranks}
+        values = {r: json.loads(store.get(k)) for r, k in keys.items() if store.check([k])}
+        if who := who_has_what(values):
+            parts.append(f"; {topic}: {who}")
+    return "".join(parts)
+
+
+def who_has_what(values: dict[int, dict[str, Any]]) -> str:
+    """Each field (nested ones too) on which the ranks differ, with the ranks that have each
+    value: ``"hp=2 on ranks [0], hp=4 on ranks [1, 2, 3]"``."""
+    flat = {r: dict(_flatten(v)) for r, v in values.items()}
+    parts = []
+    for field in sorted({f for v in flat.values() for f in v}):
+        ranks_of: dict[str, list[int]] = {}
+        for r in sorted(flat):
+            ranks_of.setdefault(repr(flat[r].get(field)), []).append(r)
+        if len(ranks_of) > 1:
+            parts.append(", ".join(f"{field}={_short(v)} on ranks {rs}" for v, rs in ranks_of.items()))
+    return "; ".join(parts)
+
+
+def _flatten(value: Any, name: str = ""):
+    """``(name, leaf)`` pairs: dicts by key, lists of dicts or lists by index (``shapes[3]``)."""
+    if isinstance(value, dict):
+        for key, v in value.items():
+            yield from _flatten(v, f"{name}.{key}" if name else str(key))
+    elif isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+        for i, v in enumerate(value):
+            yield from _flatten(v, f"{name}[{i}]")
+    else:
+        yield name, value
+
+
+def _short(text: str, most: int = 40) -> str:
+    return text if len(text) <= most else text[:most - 3] + "..."
 
 
 def compile_fingerprint(config: dict[str, Any], gm: torch.fx.GraphModule,
@@ -69,9 +142,13 @@ def compile_fingerprint(config: dict[str, Any], gm: torch.fx.GraphModule,
     # str(): a dimension marked dynamic is a SymInt ("s0"), the same symbol on every rank
     shapes = [[str(d) for d in v.shape] if isinstance(v := n.meta.get("example_value"), torch.Tensor)
               else None for n in gm.graph.find_nodes(op="placeholder")]
-    comparable = {k: v for k, v in config.items() if k != "dump_dir"}  # a per-rank path may differ
-    return {"options": comparable, "input_shapes": shapes, "collectives": collectives,
+    return {"options": comparable_options(config), "input_shapes": shapes, "collectives": collectives,
             "graph": hashlib.sha256(_canonical_code(gm.graph).encode()).hexdigest()}
+
+
+def comparable_options(config: dict[str, Any]) -> dict[str, Any]:
+    """The options all ranks must share: all but ``dump_dir`` (a per-rank path may differ)."""
+    return {k: v for k, v in config.items() if k != "dump_dir"}
 
 
 def _canonical_code(graph: torch.fx.Graph) -> str:
@@ -81,19 +158,3 @@ def _canonical_code(graph: torch.fx.Graph) -> str:
         kwargs = {k: v for k, v in n.kwargs.items() if not k.endswith("_group")}
         lines.append(f"{n.name}={n.op}:{getattr(n.target, '__name__', n.target)}({n.args}, {kwargs})")
     return "\n".join(lines)
-
-
-def _difference(mine: dict, other: dict) -> str:
-    """The first field that differs, with both values; nested dicts (options) key by key."""
-    for key in sorted(set(mine) | set(other)):
-        a, b = mine.get(key), other.get(key)
-        if a == b:
-            continue
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs = [f"{k}={a.get(k)!r} here vs {b.get(k)!r}" for k in sorted(set(a) | set(b))
-                     if a.get(k) != b.get(k)]
-            return f"{key}: " + ", ".join(diffs)
-        if key == "graph":
-            return "the graph code differs"
-        return f"{key}: {a!r} here vs {b!r}"
-    return "nothing (equal)"

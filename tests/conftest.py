@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -59,3 +60,21 @@ def flash_attn_stand_in(stand_ins):
 
     yield flash_attn
     kernels._flash_attn_usable.cache_clear()
+
+
+def error_of(fn) -> str:
+    """``"ErrorClass: message"`` of what fn raised (unwrapping Dynamo's BackendCompilerFailed),
+    or "no error"."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        inner = getattr(e, "inner_exception", e)
+        return f"{type(inner).__name__}: {inner}"
+    return "no error"
+
+
+def still_in_step() -> bool:
+    """An all_reduce over the world: it returns only if no rank was left inside a collective."""
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item() == dist.get_world_size()

@@ -16,7 +16,7 @@ from loong_compile.data import (
     shard_batch,
 )
 from loong_compile.errors import LoongShapeError
-from loong_compile.mesh import init_mesh
+from loong_compile.mesh import LoongMesh, init_mesh, rank_layout
 
 sizes = st.sampled_from([1, 2, 3, 4, 8])
 
@@ -85,3 +85,18 @@ def test_shard_batch_checks_shapes():
         shard_batch(torch.zeros(8, dtype=torch.long), None, mesh)
     with pytest.raises(LoongShapeError, match="same shape"):
         shard_batch(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long), mesh)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_shard_batch_outputs_have_one_memory_layout_on_every_rank(batch):
+    """Dynamo guards on strides and storage offsets: ranks whose inputs differ there compile
+    different graphs (a view at an HP rank's offset did, at batch size 1: issue 10, obs 7)."""
+    layout = rank_layout(1, 2, 2, "head_first")
+    ids = torch.arange(batch * 32).reshape(batch, 32)
+    seen = set()
+    for rank in range(4):
+        mesh = LoongMesh(1, 2, 2, 1, "head_first", rank, layout, None, {}, {})
+        for t in shard_batch(ids, ids, mesh):
+            assert t.is_contiguous() and t.storage_offset() == 0, (rank, t.stride(), t.storage_offset())
+            seen.add((t.shape, t.stride()))
+    assert len(seen) == 1

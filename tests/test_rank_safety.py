@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import loong_compile as lc
+from conftest import error_of, still_in_step
 from loong_compile.testing import run_distributed
 
 
@@ -29,22 +30,6 @@ class Attention(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not self.with_mask)
 
 
-def _error_of(fn) -> str:
-    """The LoongError class and message fn raised (unwrapping Dynamo's BackendCompilerFailed)."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001
-        inner = getattr(e, "inner_exception", e)
-        return f"{type(inner).__name__}: {inner}"
-    return "no error"
-
-
-def _still_in_step() -> bool:
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return t.item() == dist.get_world_size()
-
-
 def _compile_and_run(options, x, model=None):
     torch._dynamo.reset()
     model = model or Attention()
@@ -56,25 +41,25 @@ def scenarios(rank: int, world: int) -> dict[str, tuple[str, bool]]:
     x = torch.randn(2, 4, 16)  # 4 local tokens of a 16-token sequence on hp*cp = 4
     out = {}
     # options differ across ranks: allow_graphs_without_attention on rank 0 only
-    out["config_mismatch"] = _error_of(lambda: _compile_and_run({"cp": 4, "allow_graphs_without_attention": rank == 0}, x))
-    out["config_mismatch_ok"] = _still_in_step()
+    out["config_mismatch"] = error_of(lambda: _compile_and_run({"cp": 4, "allow_graphs_without_attention": rank == 0}, x))
+    out["config_mismatch_ok"] = still_in_step()
     # the mesh asked for differs across ranks (groups would never match)
-    out["mesh_mismatch"] = _error_of(lambda: lc.init_mesh(
+    out["mesh_mismatch"] = error_of(lambda: lc.init_mesh(
         hp=2, cp=2, placement="context_first" if rank else "head_first"))
-    out["mesh_mismatch_ok"] = _still_in_step()
+    out["mesh_mismatch_ok"] = still_in_step()
     # a local length no zigzag layout gives: 5 tokens * 4 ranks = 20, not a multiple of 2*cp*hp = 8
-    out["seq_not_divisible"] = _error_of(lambda: _compile_and_run({"hp": 2, "cp": 2}, torch.randn(2, 5, 16)))
-    out["seq_not_divisible_ok"] = _still_in_step()
+    out["seq_not_divisible"] = error_of(lambda: _compile_and_run({"hp": 2, "cp": 2}, torch.randn(2, 5, 16)))
+    out["seq_not_divisible_ok"] = still_in_step()
     mesh = lc.init_mesh(hp=2, cp=2)
-    out["shard_not_divisible"] = _error_of(lambda: lc.shard_batch(torch.zeros(1, 20, dtype=torch.long), None, mesh))
+    out["shard_not_divisible"] = error_of(lambda: lc.shard_batch(torch.zeros(1, 20, dtype=torch.long), None, mesh))
     # a mask: never computed locally
-    out["mask"] = _error_of(lambda: _compile_and_run({"cp": 4}, x, Attention(True)))
-    out["mask_default"] = _error_of(lambda: _compile_and_run({"cp": 4}, x, Attention(True)))
-    out["mask_ok"] = _still_in_step()
+    out["mask"] = error_of(lambda: _compile_and_run({"hp": 2, "cp": 2}, x, Attention(True)))
+    out["mask_default"] = error_of(lambda: _compile_and_run({"hp": 2, "cp": 2}, x, Attention(True)))
+    out["mask_ok"] = still_in_step()
     # hp*cp does not divide the world
-    out["world_not_divisible"] = _error_of(lambda: _compile_and_run({"hp": 3}, x))
-    out["world_mesh_not_divisible"] = _error_of(lambda: lc.init_mesh(hp=3))
-    out["world_ok"] = _still_in_step()
+    out["world_not_divisible"] = error_of(lambda: _compile_and_run({"hp": 3}, x))
+    out["world_mesh_not_divisible"] = error_of(lambda: lc.init_mesh(hp=3))
+    out["world_ok"] = still_in_step()
     # and after all that, a good compile on the same ranks still runs
     out["good"] = tuple(_compile_and_run({"hp": 2, "cp": 2}, x).shape)
     out["dynamic"] = _dynamic_lengths(mesh)
@@ -112,7 +97,7 @@ def results():
 
 
 EXPECTED = {
-    "config_mismatch": ("LoongRankMismatchError", ["options: allow_graphs_without_attention=", "fix:"]),
+    "config_mismatch": ("LoongRankMismatchError", ["options.allow_graphs_without_attention=True on ranks [0]", "fix:"]),
     "mesh_mismatch": ("LoongRankMismatchError", ["placement", "mesh"]),
     "seq_not_divisible": ("LoongShapeError", ["sequence length 20", "multiple of 2*cp*hp = 8", "fix: pad or trim"]),
     "shard_not_divisible": ("LoongShapeError", ["sequence length 20", "e.g. 24"]),

@@ -21,6 +21,7 @@ REFUSED_HABITS = {
     "padding": ("LoongUnsupportedError", ["attn_mask", "attention_mask", "padding"]),
     "no_position_ids": ("LoongTokenMixingError", ["arange", "position_ids=batch.position_ids"]),
     "no_shard_batch": ("LoongShapeError", ["position_ids", "shard_batch"]),
+    "packed": ("LoongUnsupportedError", ["packed documents", "issue 13"]),
 }
 EAGER = ("LoongTokenMixingError", ["token x token", "attn_implementation='sdpa'"])
 SHORT_WINDOW = ("LoongTokenMixingError", [f"sliding_window={WINDOW_SHORT}", "issue 13"])

@@ -1,0 +1,186 @@
+"""Run-time checks of what a compiled graph receives: its position ids against the token layout.
+
+Under ``hp·cp > 1`` each rank holds the tokens that ``data.py``'s layout gives
+it, and the position ids are how the model learns which: RoPE rotates, and
+learned position embeddings look up, by them.  Position ids that are not the
+layout's (a batch not cut with ``shard_batch``, positions made by hand or for
+another mesh, packed documents) make every result silently wrong.  So before
+each call of a graph that takes ``position_ids``, each rank compares them with
+what the layout says it holds (one comparison of a ``(B, S_local)`` integer
+tensor), and the ranks of the sequence exchange their verdicts (one all-reduce
+of ``hp·cp`` integers) so that either all of them raise, before the graph's
+first collective, or none does.  The exchange is needed: the first rank
+legitimately holds positions ``0..S_local-1``, so its own check passes when
+nobody called ``shard_batch``.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from loong_compile import _compat
+from loong_compile.data import layout_positions
+from loong_compile.errors import LoongError, LoongShapeError, LoongUnsupportedError
+
+# where Dynamo read a graph input from: the compiled function's own argument or one of its
+# **kwargs (``L['position_ids']``, ``L['kwargs']['position_ids']``)
+_POSITION_IDS_SOURCE = re.compile(r"L\['position_ids'\]|L\['\w+'\]\['position_ids'\]")
+_CACHED_LENGTHS = 16
+
+
+class Verdict(enum.IntEnum):
+    """One rank's finding, ordered so that the largest across ranks picks the error: a rank
+    that holds a document's start at its first token looks LOCAL, the others PACKED."""
+
+    OK = 0
+    LOCAL = 1     # 0..S_local-1: the rank's own tokens counted from 0
+    PACKED = 2    # counted from document starts at or before each token: packed documents
+    OTHER = 3     # anything else that is not the layout's
+    LENGTH = 4    # S_local·hp·cp is no sequence length the layout can split
+
+
+CAUSES = {
+    Verdict.LOCAL: "positions count this rank's own tokens from 0",
+    Verdict.PACKED: "positions count from document starts (packed documents)",
+    Verdict.OTHER: "positions are not those of the tokens the layout gives the rank",
+    Verdict.LENGTH: "the local length times hp*cp is no sequence length the layout can split",
+}
+
+
+def position_ids_index(gm: torch.fx.GraphModule) -> int | None:
+    """Index of the graph input that is the compiled function's ``position_ids``, or None."""
+    for index, source in enumerate(_compat.placeholder_sources(gm)):
+        if source is not None and _POSITION_IDS_SOURCE.fullmatch(source):
+            return index
+    return None
+
+
+def checking_positions(compiled: Callable, gm: torch.fx.GraphModule,
+                       mesh: Any) -> tuple[Callable, dict[str, Any] | None]:
+    """``compiled``, checking its position ids before each call when ``gm`` takes them and
+    ``mesh`` splits sequences over more than one rank; and the report's summary of that
+    decision (None on one rank of a sequence, where positions are the user's own business)."""
+    if mesh is None or mesh.sp == 1:
+        return compiled, None
+    index = position_ids_index(gm)
+    if index is None:
+        return compiled, {"matched": 0, "position_ids": None, "result": (
+            "position_ids is no input of this graph: nothing to check at run time (positions "
+            "the model makes from the local length are refused by token_locality)")}
+    check = PositionCheck(mesh, index)
+
+    def checked(*args: Any) -> Any:
+        check(args)
+        return compiled(*args)
+
+    return checked, {"matched": 1, "position_ids": f"graph input {index}", "result": (
+        f"compared with the layout of hp={mesh.hp}, cp={mesh.cp} before each call; the "
+        f"verdicts of the {mesh.sp} ranks of the sequence are all-reduced")}
+
+
+class PositionCheck:
+    """Compares argument ``index`` (the position ids) with the layout of ``mesh`` at each call."""
+
+    def __init__(self, mesh: Any, index: int):
+        self.mesh = mesh
+        self.index = index
+        self.place = mesh.sp_ranks.index(mesh.rank)
+        self._expected: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, args: Sequence[Any]) -> None:
+        positions = args[self.index]
+        verdict, detail = self.verdict(positions)
+        verdicts = torch.zeros(self.mesh.sp, dtype=torch.int64, device=positions.device)
+        verdicts[self.place] = verdict
+        dist.all_reduce(verdicts, group=_compat.resolve_process_group(self.mesh.group_names["sp"]))
+        failing = {rank: Verdict(v) for rank, v in zip(self.mesh.sp_ranks, verdicts.tolist()) if v}
+        if failing:
+            raise _error(failing, self.mesh, positions.shape[-1] if positions.dim() else 0, detail)
+
+    def verdict(self, positions: torch.Tensor) -> tuple[Verdict, str]:
+        """This rank's verdict on ``positions`` and, when not OK, what it holds instead."""
+        if positions.dim() == 0:
+            return Verdict.OTHER, f"position_ids is a scalar ({positions.item()})"
+        local_len = positions.shape[-1]
+        try:
+            expected = self._expected_for(local_len, positions)
+        except LoongShapeError as e:
+            return Verdict.LENGTH, str(e)
+        if torch.equal(positions, expected.expand_as(positions)):
+            return Verdict.OK, ""
+        verdict = classify(positions, expected)
+        rows = positions.reshape(-1, local_len)
+        row = next(r for r in rows if not torch.equal(r, expected))
+        return verdict, (f"rank {self.mesh.rank} holds positions {describe(expected)}, its "
+                         f"position_ids are {describe(row)}")
+
+    def _expected_for(self, local_len: int, like: torch.Tensor) -> torch.Tensor:
+        key = (local_len, like.device, like.dtype)
+        if key not in self._expected:
+            if len(self._expected) >= _CACHED_LENGTHS:
+                self._expected.clear()
+            self._expected[key] = layout_positions(local_len, self.mesh).to(like.device, like.dtype)
+        return self._expected[key]
+
+
+def classify(positions: torch.Tensor, expected: torch.Tensor) -> Verdict:
+    """Why ``positions`` (``(..., S_local)``) are not ``expected`` (``(S_local,)``)."""
+    if torch.equal(positions, torch.arange(len(expected), device=positions.device)
+                   .expand_as(positions)):
+        return Verdict.LOCAL
+    # packed: each token's position counts from its document's start, which is at or before
+    # the token: 0 <= position <= global position, and along tokens that are neighbours in
+    # the sequence the position goes up by one or restarts at 0
+    neighbours = expected[1:] == expected[:-1] + 1
+    steps_ok = ((positions[..., 1:] == positions[..., :-1] + 1) | (positions[..., 1:] == 0)
+                | ~neighbours)
+    if ((positions >= 0) & (positions <= expected)).all() and steps_ok.all():
+        return Verdict.PACKED
+    return Verdict.OTHER
+
+
+def describe(positions: torch.Tensor, most: int = 4) -> str:
+    """``"0-3, 12-15"``: a 1-D tensor of positions as runs of consecutive values."""
+    values = positions.tolist()
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    text = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs[:most])
+    return text + (", ..." if len(runs) > most else "")
+
+
+def _error(failing: dict[int, Verdict], mesh: Any, local_len: int, detail: str) -> LoongError:
+    """The same error class and rule on every rank of the sequence; each adds its own detail."""
+    worst = max(failing.values())
+    causes = "; ".join(f"rank {rank}: {CAUSES[v]}" for rank, v in sorted(failing.items()))
+    what = (f"position_ids of {local_len} tokens per rank (a {local_len * mesh.sp}-token "
+            f"sequence) do not match the token layout of hp={mesh.hp}, cp={mesh.cp}, "
+            f"placement={mesh.placement!r} on ranks {sorted(failing)} ({causes})"
+            + (f"; {detail}" if detail else ""))
+    shard = ("cut each full (B, S) batch with loong_compile.shard_batch(input_ids, labels, mesh) "
+             f"for mesh = init_mesh(hp={mesh.hp}, cp={mesh.cp}, placement={mesh.placement!r}) "
+             "and pass position_ids=batch.position_ids")
+    if worst is Verdict.PACKED:
+        return LoongUnsupportedError(
+            what, "packed documents (position ids restarting at 0 inside a row) need attention "
+            "masked per document: not supported yet (issue 13)",
+            "give each row one document (pad to a multiple of the sequence divisor), or train "
+            "packed rows with hp=cp=1")
+    if worst is Verdict.LENGTH:
+        return LoongShapeError(
+            what, "position_ids holds S_local tokens of a sequence of S_local*hp*cp, which the "
+            "layout must split", shard)
+    return LoongShapeError(
+        what, "under hp*cp > 1 a rank holds some tokens of a longer sequence; its position_ids "
+        "are their global positions in the layout (see docs/usage.md, \"Sharding the inputs\")",
+        shard)
