@@ -111,12 +111,10 @@ def received(rank: int, world: int) -> dict:
     out["good_summary"] = reports[-1].summary("input_checks")
 
     # obs 7: batch size 1 and a second length (Dynamo makes the length dynamic), then
-    # mark_dynamic as docs/usage.md shows: one graph on every rank, exact
-    # (token_locality reads the local length with int(): at batch size 1 that specialises the
-    # marked dimension, a ConstraintViolationError of its own; that pass is left out here)
+    # mark_dynamic as docs/usage.md shows: one graph on every rank, exact (and the token
+    # analysis keeps the marked length symbolic)
     for name, dynamic in (("batch1_second_length", False), ("batch1_mark_dynamic", True)):
-        compiled = _compiled({**hp2cp2, "lowering": "aot_eager",
-                              "disable_passes": ["token_locality"] if dynamic else []})
+        compiled = _compiled({**hp2cp2, "lowering": "aot_eager"})
         out[f"{name}_losses"] = losses = []
         out[name] = error_of(lambda: losses.extend(
             (_distributed_loss(compiled, _ids(1, seq, seq), mesh, dynamic=dynamic),
