@@ -35,7 +35,7 @@ from loong_compile import _compat, input_checks, rank_check
 from loong_compile.config import LoongConfig
 from loong_compile.errors import LoongConfigError
 from loong_compile.inspect import Dumper, GraphReport, PassRecord
-from loong_compile.passes.base import STAGES, GraphPass, PassContext, SplitGraphs
+from loong_compile.passes.base import STAGES, GraphPass, PassContext, SplitGraphs, check_contracts
 
 _graph_ids = itertools.count()
 
@@ -62,6 +62,7 @@ class LoongBackend:
         self.passes = list(default_passes() if passes is None else passes)
         self.on_report = on_report
         _check_pass_names(self.passes, self.config)
+        self.schedule, self.skipped = _assemble(self.passes, self.config)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         compile_ = _GraphCompile(self, gm)
@@ -88,6 +89,21 @@ def _check_pass_names(passes: Sequence[GraphPass], config: LoongConfig) -> None:
                                    f"remove {name!r} from disable_passes or fix its spelling")
 
 
+def _assemble(passes: Sequence[GraphPass], config: LoongConfig) -> tuple[list[GraphPass], list[dict[str, str]]]:
+    """The passes that run, in pipeline order, and those skipped with why; checks that each
+    running pass's required facts are provided before it (``check_contracts``)."""
+    skipped = []
+    for p in passes:
+        if p.name in config.disable_passes:
+            skipped.append({"name": p.name, "stage": p.stage, "reason": "disable_passes"})
+        elif not p.enabled(config):
+            skipped.append({"name": p.name, "stage": p.stage, "reason": "does not apply to this config"})
+    off = {s["name"]: s["reason"] for s in skipped}
+    schedule = [p for stage in STAGES for p in passes if p.stage == stage and p.name not in off]
+    check_contracts(schedule, off, passes)
+    return schedule, skipped
+
+
 class _GraphCompile:
     """One Dynamo graph through the pipeline: owns its report, dumps and pass context."""
 
@@ -101,15 +117,8 @@ class _GraphCompile:
         self.dumper = Dumper(self.report, self.config.dump_dir)
         self.on_report = backend.on_report
         self.state: dict[str, Any] = {}
-        self.active: dict[str, list[GraphPass]] = {stage: [] for stage in STAGES}
-        for p in backend.passes:
-            if p.name in self.config.disable_passes:
-                self.report.skipped.append({"name": p.name, "stage": p.stage, "reason": "disable_passes"})
-            elif not p.enabled(self.config):
-                self.report.skipped.append({"name": p.name, "stage": p.stage,
-                                            "reason": "does not apply to this config"})
-            else:
-                self.active[p.stage].append(p)
+        self.report.skipped.extend(dict(s) for s in backend.skipped)
+        self.active = {stage: [p for p in backend.schedule if p.stage == stage] for stage in STAGES}
 
     # -- running passes -------------------------------------------------------
 

@@ -40,7 +40,6 @@ class GraphReport:
     config: dict[str, Any]
     passes: list[PassRecord] = dataclasses.field(default_factory=list)
     skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
-    warnings: list[str] = dataclasses.field(default_factory=list)
     stage_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     dump_dir: str | None = None
 
@@ -59,8 +58,6 @@ class GraphReport:
         lines = [f"# loong_compile report: graph {self.graph_id}, rank {self.rank}", "",
                  "## Config", ""]
         lines += [f"- `{k}`: `{v}`" for k, v in self.config.items()]
-        if self.warnings:
-            lines += ["", "## Warnings", ""] + [f"- {w}" for w in self.warnings]
         lines += ["", "## Passes", ""]
         if not self.passes:
             lines.append("No pass ran.")

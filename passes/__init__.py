@@ -1,7 +1,8 @@
 """Graph passes of loong_compile (installed as ``loong_compile.passes``).
 
-``library_passes()`` lists them in pipeline order; each pass module declares its
-contract in its docstring: the stage it runs at, what it matches, what it emits.
+``library_passes()`` lists them in pipeline order.  Each pass class declares the facts it
+``requires`` and ``provides`` (see ``base``); each pass module's docstring says the stage it
+runs at, what it matches and what it emits.
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ reports:  each rewritten site (source line, module, heads, KV heads, un-repeated
 from __future__ import annotations
 
 import math
-from pathlib import Path
 import operator
 from typing import Any
 
@@ -40,6 +39,7 @@ from loong_compile.ops import attention_2d
 from loong_compile.passes import model_facts
 from loong_compile.passes.base import PassContext
 from loong_compile.passes.flash_match import match_flash_attn
+from loong_compile.passes.fx_util import module_path, source_line
 from loong_compile.passes.subgraphs import graph_scopes
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
@@ -54,9 +54,15 @@ MASKS_LATER = ("masks are not distributed yet (packed documents, padding and win
                "checkpointing off (both make transformers build a mask), or run with hp=cp=1")
 
 
+# The fact this pass provides: every attention call of the graph is rewritten to 2D-Attention.
+ATTENTION_SITES = "attention_sites"
+
+
 class Attention2DPass:
     name = "attention_2d"
     stage = "dynamo"
+    requires: tuple[str, ...] = ()
+    provides = (ATTENTION_SITES,)
 
     def enabled(self, config) -> bool:
         return config.sp > 1
@@ -79,7 +85,6 @@ class Attention2DPass:
             module.graph.eliminate_dead_code()
             module.graph.lint()
             module.recompile()
-        ctx.state[self.name] = [r["node"] for r in rewritten]
         summary: dict[str, Any] = {"matched": len(sites), "changed": rewritten,
                                    "model": type(root).__name__ if root is not None else None}
         rope = _check_rope(root, rewritten, ctx)
@@ -153,8 +158,8 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext,
         result.meta["example_value"] = _transposed(new.meta["example_value"])
     _replace_output(graph, node, result, is_flash)
     return {
-        "node": new.name, "replaced": node.name, "source": _source_line(node),
-        "module": _module_path(node), "heads": _heads(q), "kv_heads": _heads(k),
+        "node": new.name, "replaced": node.name, "source": source_line(node),
+        "module": module_path(node), "heads": _heads(q), "kv_heads": _heads(k),
         "kv_unrepeated": unrepeat, "is_causal": causal, "tokens_per_rank": tokens,
         "sliding_window": window,
         "scale": kwargs["scale"] if scale is not None else 1 / math.sqrt(_head_dim(q)),
@@ -259,7 +264,7 @@ def _refuse_flash_extras(node: torch.fx.Node, args: dict[str, Any]) -> None:
 
 def _refuse(node: torch.fx.Node, reason: str, fix: str, error=LoongUnsupportedError) -> None:
     raise error(
-        f"attention call {node.name} at {_source_line(node)} (module {_module_path(node)})",
+        f"attention call {node.name} at {source_line(node)} (module {module_path(node)})",
         f"it cannot be distributed exactly: {reason}", fix)
 
 
@@ -352,24 +357,3 @@ def _copy_meta(src: torch.fx.Node, dst: torch.fx.Node) -> None:
     for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "example_value", "tensor_dict"):
         if key in src.meta:
             dst.meta[key] = src.meta[key]
-
-
-def _source_line(node: torch.fx.Node) -> str:
-    """The innermost frame of the node's stack trace outside torch itself, and its code."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
-    frames = [(lines[i], lines[i + 1] if i + 1 < len(lines) else "")
-              for i in range(len(lines)) if lines[i].startswith("File ")]
-    outside = [f for f in frames if _TORCH_DIR not in f[0]] or frames
-    return f"{outside[-1][0]}: {outside[-1][1]}".strip() if outside else "<unknown source>"
-
-
-_TORCH_DIR = str(Path(torch.__file__).parent)
-
-
-def _module_path(node: torch.fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return "<top level>"
-    path, _ = list(stack.values())[-1]
-    return str(path)

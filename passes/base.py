@@ -23,14 +23,28 @@ inductor   ``_compat.PoolRequest``: one compiled       inductor
            ranges and the bytes held beside them,
            inside Inductor's wrapper codegen
 =========  ==========================================  =========================
+
+Contracts: each pass class declares ``requires`` and ``provides``, tuples of named *facts*.
+A fact is something one pass establishes for later ones: a value it leaves in
+``PassContext.state`` under the fact's name (a constant the providing pass's module owns,
+e.g. ``activations.ACTIVATION_PLAN``), or a property of the graph it rewrote (e.g.
+``attention_2d.ATTENTION_SITES``: every attention call is the 2D-Attention op).  When the
+backend assembles the pipeline (after ``disable_passes`` and each pass's ``enabled(config)``)
+it checks the schedule: every fact an enabled pass requires must be provided by an enabled
+pass running before it (an earlier stage, or earlier in the list at the same stage);
+otherwise ``check_contracts`` raises ``LoongConfigError`` naming both passes and the option.
+The library's table is in docs/architecture.md ("Pass contracts").
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
 
 import torch.fx
+
+from loong_compile.errors import LoongConfigError
 
 STAGES = ("dynamo", "joint", "split", "post_grad", "inductor")
 
@@ -64,16 +78,49 @@ class PassContext:
     graph_id: int = 0
     graph_kind: str = "forward"   # forward | backward | joint | inference | split
     state: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Facts one pass leaves for a later one of the same compile (e.g. the attention nodes it
-    rewrote), keyed by the producing pass's name."""
+    """Facts one pass leaves for a later one of the same compile (e.g. the activation plan),
+    keyed by the fact's name (a constant owned by the providing pass)."""
 
 
 class GraphPass(Protocol):
     name: ClassVar[str]
     stage: ClassVar[str]
+    requires: ClassVar[tuple[str, ...]]    # facts an earlier pass must provide (may be absent: none)
+    provides: ClassVar[tuple[str, ...]]    # facts this pass establishes (may be absent: none)
 
     def enabled(self, config: Any) -> bool:
         """Whether the pass applies under this config (before ``disable_passes``)."""
 
     def run(self, graph: Any, ctx: PassContext) -> dict[str, Any]:
         """Rewrite ``graph`` in place; return the summary for the report."""
+
+
+def check_contracts(schedule: Sequence[GraphPass], off: dict[str, str], passes: Sequence[GraphPass]) -> None:
+    """Raise ``LoongConfigError`` if a pass of ``schedule`` (the enabled passes, in pipeline
+    order) requires a fact no pass before it provides.  ``off`` gives, per pass name left out
+    of the schedule, why (``disable_passes`` or not enabled by the config); ``passes`` is
+    every pass, to name the one that would have provided the fact."""
+    provided: set[str] = set()
+    for p in schedule:
+        for fact in getattr(p, "requires", ()):
+            if fact in provided:
+                continue
+            providers = [q for q in passes if fact in getattr(q, "provides", ())]
+            if not providers:
+                raise LoongConfigError(
+                    f"pass {p.name!r} requires {fact!r}, which no pass in the pipeline provides",
+                    "every fact a pass requires is provided by an earlier enabled pass",
+                    f"add a pass that provides {fact!r}, or leave {p.name!r} out of the pipeline")
+            provider = providers[0]
+            why = off.get(provider.name, f"runs after {p.name!r}")
+            if why == "disable_passes":
+                fix = (f"remove {provider.name!r} from disable_passes, or add {p.name!r} to it "
+                       "or change the option that enables it")
+            else:
+                fix = (f"change the options so that {provider.name!r} runs before {p.name!r}, "
+                       f"or add {p.name!r} to disable_passes")
+            raise LoongConfigError(
+                f"pass {p.name!r} requires {fact!r}, provided by pass {provider.name!r}, "
+                f"which does not run before it ({why})",
+                "every fact a pass requires is provided by an earlier enabled pass", fix)
+        provided.update(getattr(p, "provides", ()))

@@ -23,21 +23,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from loong_compile.passes.activations import (
-    find_layers, getitem_users, is_attention, tangent_dependent,
-)
-
-
-def _is_random(node: torch.fx.Node) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+from loong_compile.passes.fx_util import getitem_users, is_attention, is_random, tangent_dependent
+from loong_compile.passes.layers import find_layers
 
 
 class SelectiveCheckpointPass:
     name, stage = "selective_checkpoint", "joint"
+    requires: tuple[str, ...] = ()
+    provides: tuple[str, ...] = ()
 
     def enabled(self, config: Any) -> bool:
         return True
@@ -55,7 +51,7 @@ class SelectiveCheckpointPass:
             must_save += [n for ns in layers.inputs.values() for n in ns]
         if policy == "sc++":
             must_save += sorted(layers.leaving, key=lambda n: n.name)
-            must_save += [m for n in layers.node_layer if _is_random(n) for m in (n, *getitem_users(n))]
+            must_save += [m for n in layers.node_layer if is_random(n) for m in (n, *getitem_users(n))]
         saved = set(must_save)
         recompute = [n for n in layers.node_layer if n not in saved] if policy == "sc++" else []
         for node in recompute:

@@ -28,37 +28,18 @@ compile never fails because of the planner, and the summary says what happened.
 from __future__ import annotations
 
 import hashlib
-import re
 import types
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from loong_compile import _compat
+from loong_compile.passes.fx_util import layer_of_paths
 from loong_compile.planner import Buffer
 from loong_compile.planner.pools import PoolPlan, layout_peak, plan_pools
 
 # Inductor aligns pool offsets to 64 bytes (torch/_inductor/utils.py ALIGN_BYTES).
 ALIGNMENT = 64
-
-_DYNAMO_ROOT = re.compile(r"^L\['[^']*'\]\.?")
-_MODULES_ITEM = re.compile(r"\._modules\['([^']*)'\]|\[(\d+)\]")
-
-
-def normalize_module_path(path: str) -> str:
-    """Dynamo's module path (``L['self'].layers[3]._modules['mlp']``) as ``layers.3.mlp``."""
-    path = _DYNAMO_ROOT.sub("", path)
-    return _MODULES_ITEM.sub(lambda m: "." + (m.group(1) or m.group(2)), path).strip(".")
-
-
-def layer_of_paths(paths: Sequence[str]) -> str | None:
-    """The transformer layer on one module stack (outer to inner): its first numbered entry."""
-    for path in paths:
-        normalized = normalize_module_path(path)
-        if normalized.rsplit(".", 1)[-1].isdigit():
-            return normalized
-    return None
-
 
 def layer_of_origins(origins: Sequence[tuple[str, Sequence[str]]]) -> str | None:
     """A buffer's layer: the most common layer among its origin nodes, the latest on a tie."""
@@ -86,6 +67,8 @@ class MemoryPlanPass:
 
     name: ClassVar[str] = "memory_plan"
     stage: ClassVar[str] = "inductor"
+    requires: ClassVar[tuple[str, ...]] = ()
+    provides: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, bilevel: bool = True):
         self.bilevel = bilevel
@@ -117,7 +100,6 @@ class MemoryPlanPass:
                 "own allocation"))
             return summary
         request.placement = layout.placement()
-        ctx.state.setdefault(self.name, []).append(layout)  # for inspect's drawing
         summary.update(layout_summary(layout, request))
         return summary
 

@@ -10,14 +10,12 @@ the attention pass can compare them with the *global* length and refuse what dif
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
 from loong_compile import _compat
-
-_PATH_PART = re.compile(r"\.(\w+)|\[(\d+)\]|\['([^']+)'\]")
+from loong_compile.passes.fx_util import module_path_parts
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
@@ -35,10 +33,7 @@ def module_of(root: torch.nn.Module | None, node: torch.fx.Node) -> torch.nn.Mod
     if not path.startswith("L['self']"):
         return None
     module: Any = root
-    for attr, index, key in _PATH_PART.findall(path[len("L['self']"):]):
-        name = attr or index or key
-        if name == "_modules":
-            continue
+    for name in module_path_parts(path):
         module = getattr(module, name, None)
         if module is None:
             return None

@@ -32,10 +32,11 @@ import torch
 import torch.fx
 
 from loong_compile.ops.offload import OFFLOAD, RELOAD, WAIT
-from loong_compile.passes.activations import (
-    CATEGORIES, ActivationPlan, FollowsActivationPlan, SavedValues, base_of, first_in_order,
-    insert_call, is_view, last_in_order, layer_name, nbytes,
-)
+from loong_compile.passes.activations import CATEGORIES, ActivationPlan, FollowsActivationPlan
+from loong_compile.passes.fx_util import base_of, first_in_order, insert_call, is_view, last_in_order, nbytes
+from loong_compile.passes.layers import layer_name
+from loong_compile.passes.recompute import RECOMPUTED_LAYERS
+from loong_compile.passes.saved_values import SavedValues
 from loong_compile.passes.base import PassContext, SplitGraphs
 
 Node = torch.fx.Node
@@ -57,6 +58,7 @@ def forward_uses(node: Node) -> list[Node]:
 
 class OffloadPass(FollowsActivationPlan):
     name = "offload"
+    provides: tuple[str, ...] = ()
 
     def run(self, split: SplitGraphs, ctx: PassContext) -> dict[str, Any]:
         plan = self.plan_of(ctx)
@@ -81,7 +83,7 @@ class OffloadPass(FollowsActivationPlan):
                              ).meta[ROUNDING_BUFFER] = layer % 2
         split.forward.graph.lint()
         split.backward.graph.lint()
-        summary = self._summary(plan, saved, ctx.state.get("recompute", {}))
+        summary = self._summary(plan, saved, ctx.state.get(RECOMPUTED_LAYERS, {}))
         summary["matched"] = len(units)
         if not plan.offload and plan.decision is not None:
             summary["skipped"] = plan.decision.message

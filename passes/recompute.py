@@ -5,14 +5,12 @@ its attention outputs, which are saved), then concatenates the two.
 
 Stage ``split``, policy ``memo``; runs after ``activations`` (its ``ActivationPlan``).
 
-Proof of token-wise-ness: the pass follows the sequence dimension op by op from the layer
-input (``TokenDim``: which dimension carries the tokens, and how many outer elements a
-merged dimension such as ``batch·seq`` holds) through views, elementwise ops, matmuls that
-don't contract it, reductions over other dimensions, and splits / cats / slices along other
-dimensions.  Operands without tokens that broadcast along the sequence (RoPE's cos/sin) are
-sliced alike where they are used.  Anything else (a cumulative op, softmax or reduction
-along the sequence, a slice of it, an unknown op, a collective) proves nothing: that tensor
-is recomputed in full instead, and the report says why.  A chain with a random op is not
+Proof of token-wise-ness: ``token_rules.analyse`` follows the sequence dimension op by op
+from the layer input (``TokenDim``: which dimension carries the tokens, and how many outer
+elements a merged dimension such as ``batch·seq`` holds).  Operands without tokens that
+broadcast along the sequence (RoPE's cos/sin) are sliced alike where they are used.  An op
+the rules can't prove token-wise proves nothing: that tensor is recomputed in full instead,
+and the report says why.  A chain with a random op is not
 recomputed at all (it would draw new numbers): the tensor stays saved.
 
 ``alpha = 0`` recomputes every "other" tensor in full (= Selective Checkpoint++), ``alpha = 1``
@@ -23,296 +21,26 @@ in full or kept (with reasons), recomputed bytes and FLOPs.
 from __future__ import annotations
 
 import dataclasses
-import math
-import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
 
-from loong_compile.passes.activations import (
-    ActivationPlan, FollowsActivationPlan, SavedValues, base_of, first_in_order, getitem_users, insert_call, nbytes,
-    node_flops, set_meta,
-)
+from loong_compile.passes.activations import ActivationPlan, FollowsActivationPlan
 from loong_compile.passes.base import PassContext, SplitGraphs
+from loong_compile.passes.fx_util import (
+    base_of, first_in_order, getitem_users, insert_call, is_random, nbytes, node_flops, set_meta,
+)
+from loong_compile.passes.saved_values import SavedValues
+from loong_compile.passes.token_rules import Step, TokenDim, analyse, is_tensor, shape_of
 
 aten = torch.ops.aten
 Node = torch.fx.Node
 
-
-@dataclasses.dataclass(frozen=True)
-class TokenDim:
-    """Where a tensor's tokens are: dimension ``dim`` of size ``outer · s · inner`` (a merged
-    dimension like ``batch·seq`` has ``outer = batch``)."""
-
-    dim: int
-    outer: int = 1
-
-
-class NotTokenwise(Exception):
-    """An op mixes tokens (or no rule shows it doesn't); the message says which and why."""
-
-
-@dataclasses.dataclass
-class Step:
-    """What one op does to the tokens: the token dim of its output(s), the token-less operands
-    to slice alike at this use, and whether its size arguments follow the token count."""
-
-    out: TokenDim | tuple | None
-    slice_operands: dict[Node, TokenDim] = dataclasses.field(default_factory=dict)
-    resize: bool = False
-
-
-def _shape(node: Node) -> tuple[int, ...]:
-    return tuple(node.meta["val"].shape)
-
-
-def _is_tensor(node: Any) -> bool:
-    return isinstance(node, Node) and isinstance(node.meta.get("val"), torch.Tensor)
-
-
-def _dim(d: int, ndim: int) -> int:
-    return d + ndim if d < 0 else d
-
-
-# -- the op rules ----------------------------------------------------------------------------
-
-def _broadcast(node: Node, tok: Callable, operands: list[Node]) -> Step:
-    """Elementwise over broadcast operands: the token dims align from the right."""
-    out_shape = _shape(node)
-    nd = len(out_shape)
-    out, full = None, []
-    for a in operands:
-        t = tok(a)
-        if t is None:
-            full.append(a)
-            continue
-        cand = TokenDim(t.dim + nd - len(_shape(a)), t.outer)
-        if out is not None and cand != out:
-            raise NotTokenwise(f"{node.name}: operands disagree on the sequence dimension")
-        out = cand
-    if out is None:
-        return Step(None)
-    slices = {}
-    for a in full:
-        d = out.dim - (nd - len(_shape(a)))
-        if d < 0 or _shape(a)[d] == 1:
-            continue
-        if _shape(a)[d] != out_shape[out.dim]:
-            raise NotTokenwise(f"{node.name}: operand {a.name} is not aligned with the sequence")
-        slices[a] = TokenDim(d, out.outer)
-    return Step(out, slices)
-
-
-def _pointwise(node, tok, s):
-    return _broadcast(node, tok, [a for a in node.all_input_nodes if _is_tensor(a)])
-
-
-def _same(node, tok, s):
-    """Single-input ops that keep the shape: copies, dtype casts, detach, alias."""
-    return Step(tok(node.args[0]))
-
-
-def _reshape(node, tok, s):
-    """view / reshape: tokens stay whole iff one output dim holds the whole token digit of the
-    row-major flat index (``inner`` elements per token, ``s`` tokens)."""
-    t, in_shape, out_shape = tok(node.args[0]), _shape(node.args[0]), _shape(node)
-    inner = math.prod(in_shape[t.dim + 1:]) * (in_shape[t.dim] // (t.outer * s))
-    for j, size in enumerate(out_shape):
-        after = math.prod(out_shape[j + 1:])
-        if inner % after == 0 and (after * size) % (inner * s) == 0:
-            return Step(TokenDim(j, after * size // (inner * s)), resize=True)
-    raise NotTokenwise(f"{node.name}: the view splits the sequence dimension")
-
-
-def _moved(node, tok, s):
-    """Ops that move dims around: t, transpose, permute, unsqueeze, squeeze, expand."""
-    t = tok(node.args[0])
-    in_nd, out_nd = len(_shape(node.args[0])), len(_shape(node))
-    target = node.target.overloadpacket
-    if target in (aten.t, aten.transpose):
-        d0, d1 = (0, 1) if target is aten.t else (_dim(node.args[1], in_nd), _dim(node.args[2], in_nd))
-        return Step(TokenDim({d0: d1, d1: d0}.get(t.dim, t.dim), t.outer))
-    if target is aten.permute:
-        return Step(TokenDim([_dim(d, in_nd) for d in node.args[1]].index(t.dim), t.outer))
-    if target is aten.unsqueeze:
-        d = _dim(node.args[1], out_nd)
-        return Step(TokenDim(t.dim + (d <= t.dim), t.outer))
-    if target is aten.squeeze:
-        dims = ([d for d, z in enumerate(_shape(node.args[0])) if z == 1] if len(node.args) == 1
-                else [_dim(d, in_nd) for d in (node.args[1] if isinstance(node.args[1], (list, tuple))
-                                               else [node.args[1]])])
-        removed = [d for d in dims if _shape(node.args[0])[d] == 1]
-        return Step(TokenDim(t.dim - sum(d < t.dim for d in removed), t.outer))
-    if target is aten.expand:
-        return Step(TokenDim(t.dim + out_nd - in_nd, t.outer), resize=True)
-    raise NotTokenwise(f"{node.name}: no rule for {target}")
-
-
-def _along(node, tok, s, dim_arg: int, what: str, keeps_dim: bool = True):
-    """Ops that work along one dimension (slice, select, split, softmax, cumsum, ...): fine
-    unless that dimension is the sequence."""
-    t = tok(node.args[0])
-    nd = len(_shape(node.args[0]))
-    d = _dim(node.args[dim_arg] if len(node.args) > dim_arg else node.kwargs.get("dim", 0), nd)
-    if d == t.dim:
-        raise NotTokenwise(f"{node.name}: {what} along the sequence dimension")
-    if keeps_dim:
-        return Step(t)
-    return Step(TokenDim(t.dim - (d < t.dim), t.outer))
-
-
-def _split(node, tok, s):
-    step = _along(node, tok, s, 2, "split")
-    return Step(tuple(step.out for _ in node.meta["val"]))
-
-
-def _reduction(node, tok, s):
-    t = tok(node.args[0])
-    nd = len(_shape(node.args[0]))
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-        raise NotTokenwise(f"{node.name}: reduces over every dimension, the sequence included")
-    dims = [_dim(d, nd) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
-    if t.dim in dims:
-        raise NotTokenwise(f"{node.name}: {node.target.overloadpacket} reduces over the sequence")
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    return Step(TokenDim(t.dim - (0 if keepdim else sum(d < t.dim for d in dims)), t.outer))
-
-
-def _cat(node, tok, s):
-    tensors = [a for a in node.args[0] if _shape(a) != (0,)]     # legacy empty tensors are skipped
-    nd = len(_shape(node))
-    d = _dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), nd)
-    step = _broadcast(node, tok, tensors)
-    if step.out is not None and step.out.dim == d and len(tensors) > 1:
-        raise NotTokenwise(f"{node.name}: concatenates along the sequence dimension")
-    return step
-
-
-def _matmul(node, tok, s):
-    """mm / addmm / bmm: the token dim must be a free (not contracted) dim of one operand."""
-    target = node.target.overloadpacket
-    a, b = (node.args[1], node.args[2]) if target is aten.addmm else (node.args[0], node.args[1])
-    ta, tb = tok(a), tok(b)
-    if ta is not None and tb is not None:
-        raise NotTokenwise(f"{node.name}: both matmul operands carry tokens")
-    batched = target is aten.bmm
-    rows, cols = (1, 2) if batched else (0, 1)
-    t = ta if ta is not None else tb
-    if batched and t is not None and t.dim == 0:          # tokens along the batch of matmuls
-        return _broadcast(node, tok, [a, b])
-    if ta is not None and ta.dim == rows:
-        out = TokenDim(rows, ta.outer)
-    elif tb is not None and tb.dim == cols:
-        out = TokenDim(cols, tb.outer)
-    elif t is not None:
-        raise NotTokenwise(f"{node.name}: the matmul contracts over the sequence")
-    else:
-        return Step(None)
-    if target is not aten.addmm:
-        return Step(out)
-    bias = node.args[0]
-    if tok(bias) is not None:
-        raise NotTokenwise(f"{node.name}: the bias carries tokens")
-    d = out.dim - (2 - len(_shape(bias)))
-    return Step(out, {bias: TokenDim(d, out.outer)} if d >= 0 and _shape(bias)[d] > 1 else {})
-
-
-def _embedding(node, tok, s):
-    t = tok(node.args[1])
-    return Step(None if t is None else TokenDim(t.dim, t.outer))
-
-
-def _layer_norm(node, tok, s):
-    t = tok(node.args[0])
-    nd = len(_shape(node.args[0]))
-    if t.dim >= nd - len(node.args[1]):
-        raise NotTokenwise(f"{node.name}: normalises over the sequence")
-    return Step((t, t, t))
-
-
-RULES: dict[Any, Callable[[Node, Callable, int], Step]] = {
-    aten.view: _reshape, aten._unsafe_view: _reshape, aten.reshape: _reshape,
-    aten.t: _moved, aten.transpose: _moved, aten.permute: _moved, aten.unsqueeze: _moved,
-    aten.squeeze: _moved, aten.expand: _moved,
-    aten.detach: _same, aten.alias: _same, aten._to_copy: _same, aten.lift_fresh_copy: _same,
-    aten.slice: lambda n, t, s: _along(n, t, s, 1, "slices"),
-    aten.select: lambda n, t, s: _along(n, t, s, 1, "selects", keeps_dim=False),
-    aten.split: _split, aten.split_with_sizes: _split,
-    aten._softmax: lambda n, t, s: _along(n, t, s, 1, "softmax"),
-    aten._log_softmax: lambda n, t, s: _along(n, t, s, 1, "log-softmax"),
-    aten.cumsum: lambda n, t, s: _along(n, t, s, 1, "a cumulative sum"),
-    aten.cumprod: lambda n, t, s: _along(n, t, s, 1, "a cumulative product"),
-    aten.logcumsumexp: lambda n, t, s: _along(n, t, s, 1, "a cumulative log-sum-exp"),
-    aten.sum: _reduction, aten.mean: _reduction, aten.amax: _reduction, aten.amin: _reduction,
-    aten.var: _reduction, aten.std: _reduction,
-    aten.cat: _cat, aten.mm: _matmul, aten.addmm: _matmul, aten.bmm: _matmul,
-    aten.embedding: _embedding, aten.native_layer_norm: _layer_norm,
-}
-
-
-def is_random(node: Node) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
-
-
-COLLECTIVES = ("loong.seq_all_to_all",)
-
-
-def is_collective(node: Node) -> bool:
-    return (getattr(node.target, "namespace", None) == "_c10d_functional"
-            or str(getattr(node.target, "overloadpacket", "")) in COLLECTIVES)
-
-
-def token_step(node: Node, tok: Callable[[Node], TokenDim | None], s: int, identify: bool = False) -> Step:
-    """The rule for ``node``, given its inputs' token dims (None: no tokens).  ``identify``:
-    only find where the sequence goes, letting it through collectives (which keep the dim
-    but exchange tokens between ranks, so they are never token-wise)."""
-    if node.target is operator.getitem:
-        parent = tok(node.args[0])
-        return Step(parent[node.args[1]] if isinstance(parent, tuple) else None)
-    if not any(tok(a) is not None for a in node.all_input_nodes):
-        return Step(None)                       # no tokens in, none out: computed in full
-    if is_random(node):
-        raise NotTokenwise(f"{node.name}: random op")
-    if is_collective(node):
-        if not identify:
-            raise NotTokenwise(f"{node.name}: a collective (it exchanges tokens between ranks)")
-        first = node.args[0]
-        return Step(tuple(tok(x) for x in first) if isinstance(first, (list, tuple)) else tok(first))
-    packet = getattr(node.target, "overloadpacket", None)
-    rule = RULES.get(packet)
-    if rule is not None:
-        return rule(node, tok, s)
-    if torch.Tag.pointwise in getattr(node.target, "tags", ()):
-        return _pointwise(node, tok, s)
-    raise NotTokenwise(f"{node.name}: no token-wise rule for {node.target}")
-
-
-def analyse(nodes: list[Node], roots: dict[Node, TokenDim], s: int, identify: bool = False) -> tuple[dict, dict]:
-    """Token dims of ``nodes`` (in graph order) from those of ``roots``: (steps, failures)
-    where ``failures[node]`` says why node (or an input of it) is not token-wise."""
-    steps: dict[Node, Step] = {}
-    failures: dict[Node, str] = {}
-
-    def tok(a: Node):
-        if a in roots:
-            return roots[a]
-        return steps[a].out if a in steps else None
-
-    for node in nodes:
-        if node.op != "call_function":
-            continue
-        bad = next((failures[a] for a in node.all_input_nodes if a in failures), None)
-        if bad is not None:
-            failures[node] = bad
-            continue
-        try:
-            steps[node] = token_step(node, tok, s, identify)
-        except NotTokenwise as e:
-            failures[node] = str(e)
-    return steps, failures
+# The fact this pass provides: its summary row per layer name, in ``ctx.state`` (``offload``
+# reports the tokens each layer recomputes from it).
+RECOMPUTED_LAYERS = "recomputed_layers"
 
 
 # -- emitting token slices -----------------------------------------------------------------
@@ -322,7 +50,7 @@ def take_tokens(graph: torch.fx.Graph, x: Node, t: TokenDim, start: int, end: in
     """Nodes (at the insertion point) computing tokens ``[start, end)`` of ``x``.  ``dense``: copy
     a strided slice into dense memory (same dim order), so that the views a recompute chain
     takes of it apply as they did to the whole tensor."""
-    shape = list(_shape(x))
+    shape = list(shape_of(x))
     d = t.dim
     inner = shape[d] // (t.outer * s)
     if t.outer == 1:
@@ -348,7 +76,7 @@ def join_tokens(graph: torch.fx.Graph, head: Node, tail: Node, t: TokenDim, like
     if t.outer > 1:
         pieces = []
         for part in (head, tail):
-            shape = list(_shape(part))
+            shape = list(shape_of(part))
             if not part.meta["val"].is_contiguous():
                 part = insert_call(graph, aten.clone.default, (part,), {"memory_format": torch.contiguous_format})
             pieces.append(insert_call(graph, aten.view.default,
@@ -393,9 +121,9 @@ def input_token_dim(plan: ActivationPlan, layer: int, fw_nodes: list[Node]) -> t
     x = base_of(inputs[0])
     members = [n for n in fw_nodes if plan.layers.layer_of(n) == layer]
     query = attention[0].args[0]
-    q_nd = len(_shape(query))
+    q_nd = len(shape_of(query))
     found = []
-    for d, size in enumerate(_shape(x)):
+    for d, size in enumerate(shape_of(x)):
         if size < 2:
             continue
         steps, _ = analyse(members, {x: TokenDim(d)}, size, identify=True)
@@ -404,7 +132,7 @@ def input_token_dim(plan: ActivationPlan, layer: int, fw_nodes: list[Node]) -> t
     if len(found) != 1:
         return (f"the layer input's sequence dimension is unknown: {len(found)} of its dims lead to the "
                 "attention query's sequence dim (need exactly one)")
-    return x, TokenDim(found[0]), _shape(x)[found[0]]
+    return x, TokenDim(found[0]), shape_of(x)[found[0]]
 
 
 def region(targets: list[Node], stop: Callable[[Node], bool], order: dict[Node, int]) -> list[Node]:
@@ -420,8 +148,28 @@ def region(targets: list[Node], stop: Callable[[Node], bool], order: dict[Node, 
     return sorted(seen, key=order.__getitem__)
 
 
+@dataclasses.dataclass
+class LayerRewrite:
+    """One swapped layer's recompute: what the rewrite of both graphs needs to know."""
+
+    saved: SavedValues
+    plan: ActivationPlan
+    stop: Callable[[Node], bool]          # where a recompute chain starts (saved or outside)
+    roots: set[Node]                      # the layer input and attention outputs
+    order: dict[Node, int]                # forward graph order
+    steps: dict[Node, Step]               # token analysis of the layer's nodes
+    token_roots: dict[Node, TokenDim]     # where the analysis started (empty: no slicing)
+    kept: int                             # a: tokens offloaded, not recomputed
+    tokens: int                           # s: the layer's tokens
+    emitted: list[Node] = dataclasses.field(default_factory=list)   # backward nodes that recompute
+
+    def region(self, targets: list[Node]) -> list[Node]:
+        return region(targets, self.stop, self.order)
+
+
 class TokenSliceRecomputePass(FollowsActivationPlan):
     name = "recompute"
+    provides = (RECOMPUTED_LAYERS,)
 
     def run(self, split: SplitGraphs, ctx: PassContext) -> dict[str, Any]:
         plan = self.plan_of(ctx)
@@ -437,7 +185,7 @@ class TokenSliceRecomputePass(FollowsActivationPlan):
         split.backward.graph.eliminate_dead_code()
         split.forward.graph.lint()
         split.backward.graph.lint()
-        ctx.state["recompute"] = {row["layer"]: row for row in layers}
+        ctx.state[RECOMPUTED_LAYERS] = {row["layer"]: row for row in layers}
         return {"matched": sum(len(r["sliced"]) + len(r["full"]) + len(r["kept"]) for r in layers),
                 "alpha": plan.alpha, "layers": layers}
 
@@ -467,9 +215,9 @@ class TokenSliceRecomputePass(FollowsActivationPlan):
         if unknown is None and a > 0:
             token_roots[x] = t_in
             for att in plan.layers.attention[layer]:
-                if _shape(att.args[0])[-2] == s:    # the attention sees this layer's tokens
+                if shape_of(att.args[0])[-2] == s:    # the attention sees this layer's tokens
                     token_roots |= {o: TokenDim(2) for o in getitem_users(att)
-                                    if _is_tensor(o) and len(_shape(o)) >= 3 and _shape(o)[2] == s}
+                                    if is_tensor(o) and len(shape_of(o)) >= 3 and shape_of(o)[2] == s}
         steps, failures = analyse(region(others, stop, order), token_roots, s) if token_roots else ({}, {})
         sliced, full = [], []
         for b in others:
@@ -485,17 +233,18 @@ class TokenSliceRecomputePass(FollowsActivationPlan):
             else:
                 sliced.append(b)
                 row["sliced"].append(b.name)
-        emitted = self._emit(saved, plan, sliced, full, stop, roots, order, steps, token_roots, a, s)
+        rewrite = LayerRewrite(saved, plan, stop, roots, order, steps, token_roots, a, s)
+        emitted = self._emit(rewrite, sliced, full)
         row["recomputed_bytes"] = sum(nbytes(b) * (s - a) // s for b in sliced) + sum(nbytes(b) for b in full)
         row["recompute_flops"] = sum(node_flops(n) for n in emitted)
         return row
 
-    def _emit(self, saved: SavedValues, plan, sliced, full, stop, roots, order, steps, token_roots, a,
-              s) -> list[Node]:
+    def _emit(self, rw: LayerRewrite, sliced: list[Node], full: list[Node]) -> list[Node]:
         """Rewrite both graphs for one layer; returns the backward nodes that recompute."""
         targets = sliced + full
         if not targets:
             return []
+        saved, plan = rw.saved, rw.plan
         placeholders = {b: saved.rebase(b) for b in targets}
         users = [u for ph in placeholders.values() for u in ph.users]
         fw, bw = saved.fw, saved.bw
@@ -503,16 +252,14 @@ class TokenSliceRecomputePass(FollowsActivationPlan):
             for b in targets:
                 saved.remove(b)
             return []
-        emitted: list[Node] = []
         anchor = first_in_order(bw, users)
         with bw.inserting_before(anchor):
             if sliced:
-                copies = self._copy_region(saved, region(sliced, stop, order), roots, steps, token_roots,
-                                           a, s, emitted)
+                copies = self._copy_region(rw, rw.region(sliced), on_tokens=True)
                 for b in sliced:
-                    t = steps[b].out
+                    t = rw.steps[b].out
                     with fw.inserting_before(b.next):
-                        head = take_tokens(fw, b, t, 0, a, s)
+                        head = take_tokens(fw, b, t, 0, rw.kept, rw.tokens)
                     plan.prefixes.add(head)
                     plan.owners[head] = (plan.category(b)[0], "other")
                     ph = placeholders[b]
@@ -522,20 +269,23 @@ class TokenSliceRecomputePass(FollowsActivationPlan):
                     for u in old_users:
                         u.replace_input_with(ph, joined)
             if full:
-                copies = self._copy_region(saved, region(full, stop, order), roots, {}, {}, 0, s, emitted)
+                copies = self._copy_region(rw, rw.region(full), on_tokens=False)
                 for b in full:
                     placeholders[b].replace_all_uses_with(copies[b])
                     saved.remove(b)
-        return emitted
+        return rw.emitted
 
-    def _copy_region(self, saved, nodes, roots, steps, token_roots, a, s, emitted) -> dict[Node, Node]:
-        """Copy ``nodes`` into the backward at its insertion point; with ``token_roots``, on
-        tokens ``[a, s)`` (roots sliced, broadcast operands sliced at use, sizes rewritten)."""
-        bw = saved.bw
+    def _copy_region(self, rw: LayerRewrite, nodes: list[Node], on_tokens: bool) -> dict[Node, Node]:
+        """Copy ``nodes`` into the backward at its insertion point; ``on_tokens``: on tokens
+        ``[a, s)`` (roots sliced, broadcast operands sliced at use, sizes rewritten)."""
+        saved, bw, s = rw.saved, rw.saved.bw, rw.tokens
+        a = rw.kept if on_tokens else 0
+        steps = rw.steps if on_tokens else {}
+        token_roots = rw.token_roots if on_tokens else {}
         env: dict[Node, Node] = {}
         inside = set(nodes)
         for leaf in dict.fromkeys(x for n in nodes for x in n.all_input_nodes if x not in inside):
-            ph = saved.rebase(leaf) if leaf in roots else saved.add(leaf)
+            ph = saved.rebase(leaf) if leaf in rw.roots else saved.add(leaf)
             env[leaf] = take_tokens(bw, ph, token_roots[leaf], a, s, s, dense=True) if leaf in token_roots else ph
         sliced_at_use: dict[tuple[Node, TokenDim], Node] = {}
         for n in nodes:
@@ -549,12 +299,12 @@ class TokenSliceRecomputePass(FollowsActivationPlan):
                     local[operand] = sliced_at_use[key]
             new = bw.node_copy(n, lambda x, local=local: local.get(x, env[x]))
             if step is not None and step.resize and isinstance(step.out, TokenDim):
-                size = list(_shape(n))
+                size = list(shape_of(n))
                 size[step.out.dim] = size[step.out.dim] // s * (s - a)
                 new.update_arg(1, size)
             if token_roots:
                 set_meta(new)
             new.meta["loong"] = "recompute"
             env[n] = new
-            emitted.append(new)
+            rw.emitted.append(new)
         return env

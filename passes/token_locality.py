@@ -39,7 +39,9 @@ import torch.nn.functional as F
 
 from loong_compile.errors import LoongTokenMixingError
 from loong_compile.ops import attention_2d
+from loong_compile.passes.attention_2d import ATTENTION_SITES
 from loong_compile.passes.base import PassContext
+from loong_compile.passes.fx_util import module_path, source_line
 from loong_compile.passes.subgraphs import graph_scopes, hop_name
 
 ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "diff", "roll", "flip",
@@ -66,6 +68,10 @@ ALLOWED_HOPS = {"tag_activation_checkpoint", "wrap", "autograd_function_apply"}
 class TokenLocalityPass:
     name = "token_locality"
     stage = "dynamo"
+    # Only the rewritten attention may combine tokens: the calls ``attention_2d`` rewrote are
+    # the ones this analysis allows.
+    requires = (ATTENTION_SITES,)
+    provides: tuple[str, ...] = ()
 
     def enabled(self, config) -> bool:
         return config.sp > 1
@@ -423,6 +429,4 @@ def _value(node: Any) -> Any:
 
 
 def _describe(node: torch.fx.Node) -> str:
-    from loong_compile.passes.attention_2d import _module_path, _source_line
-
-    return f"{node.name} ({_op_name(node)}) at {_source_line(node)} (module {_module_path(node)})"
+    return f"{node.name} ({_op_name(node)}) at {source_line(node)} (module {module_path(node)})"

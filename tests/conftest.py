@@ -1,3 +1,7 @@
+"""Fixtures of every test, and the shared helpers: those needing no fixture live in
+tests/helpers.py (imported here; test modules import them from ``helpers``, never from
+another test module), the Hugging Face model zoo in tests/hf_models.py."""
+
 import sys
 from pathlib import Path
 
@@ -7,6 +11,8 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
+
+import helpers  # noqa: E402,F401  (examples/ must be importable first)
 
 
 @pytest.fixture(autouse=True)

@@ -1,92 +1,21 @@
 """Activation management end to end on one process: classification and its bytes, MEMO's
 policy (offload + token-slice recompute) for every alpha, against activations="none".
 
-The helpers here (``run_step``, ``Probe``, ``BUDGET``) are shared by the other
-test_activations* / test_offload* / test_recompute* files.  To keep the suite fast, each
-model is traced by Dynamo once (``captured``) and its graph handed to a fresh ``LoongBackend``
-per configuration: the backend's own stages (joint, split, lowering) all run every time.
+To keep the suite fast, each model is traced by Dynamo once (``helpers.captured``) and its
+graph handed to a fresh ``LoongBackend`` per configuration (``helpers.run_step``).
 """
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from loong_compile import LoongBackend, LoongConfigError
-from loong_compile.passes import library_passes
-from test_equivalence import example_llama, hf_llama
+from helpers import (
+    BATCH, BUDGET, DIM, FFN, HEADS, KV_HEADS, SEQ, assert_same_loss_and_grads, example_llama, run_step, token_ids,
+)
 
-# MEMO's LP inputs given, so no test measures the machine: budgets with room to spare.
-BUDGET = {"host_bandwidth": 1e12, "host_memory": 1e12, "layer_time": 1.0}
-BATCH, SEQ = 2, 64
-DIM, HEADS, KV_HEADS, FFN = 64, 4, 2, 128     # both test models (tests/test_equivalence.py)
-
-
-class Probe:
-    """A split-stage pass that runs after the library's and keeps both graphs."""
-
-    name, stage = "probe", "split"
-
-    def __init__(self):
-        self.graphs = []
-
-    def enabled(self, config):
-        return True
-
-    def run(self, split, ctx):
-        self.graphs.append(split)
-        self.state = ctx.state
-        return {}
-
-
-def token_ids(seq: int = SEQ) -> torch.Tensor:
-    return torch.randint(0, 256, (BATCH, seq), generator=torch.Generator().manual_seed(1))
-
-
-_captured: dict[str, tuple] = {}
-
-
-def captured(name: str, make=None):
-    """(model, ids, Dynamo's graph, its example inputs) of a model, traced once per name."""
-    if name not in _captured:
-        model, ids, graphs = (make or MODELS[name])(), token_ids(), []
-        torch._dynamo.reset()
-        torch.compile(model, backend=lambda gm, ex: graphs.append((gm, ex)) or gm.forward,
-                      fullgraph=True)(ids)
-        (gm, example), = graphs
-        _captured[name] = (model, ids, gm, example)
-    return _captured[name]
-
-
-def run_step(name: str, options, probe: Probe | None = None, lowering="aot_eager", make=None):
-    """One forward + backward of model ``name`` through a LoongBackend with ``options``:
-    (loss, grads by parameter name, the graph's report)."""
-    model, ids, gm, example = captured(name, make)
-    model.zero_grad(set_to_none=True)
-    reports = []
-    passes = library_passes() + ([probe] if probe else [])
-    backend = LoongBackend({"lowering": lowering, **BUDGET, **options}, passes=passes,
-                           on_report=reports.append)
-    outputs = backend(copy.deepcopy(gm), example)(*example)
-    logits, = [o for o in outputs if tuple(o.shape) == (*ids.shape, 256)]
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, reports[-1]
-
-
-def assert_same(got, want):
-    (loss, grads), (ref_loss, ref_grads) = got, want
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
-        assert grads[name].abs().sum() > 0, name   # a vanished gradient is not "equal"
-
-
-MODELS = {"example": example_llama, "hf": hf_llama}
 _references: dict[str, tuple] = {}
 
 
@@ -113,7 +42,7 @@ def test_same_losses_and_gradients_as_none(model_name, policy, alpha):
     # resident_layers=0: both layers of the small models are swapped (MEMO keeps the last 2).
     loss, grads, report = run_step(model_name, {"activations": policy, "alpha": alpha,
                                                 "resident_layers": 0})
-    assert_same((loss, grads), (ref_loss, ref_grads))
+    assert_same_loss_and_grads((loss, grads), (ref_loss, ref_grads))
     if policy != "memo":
         assert "recompute" not in [p.name for p in report.passes]
         return
@@ -139,7 +68,7 @@ def test_memo_through_inductor(tmp_path):
     loss, grads, report = run_step("example", {"activations": "memo", "alpha": 0.5,
                                                "resident_layers": 0, "dump_dir": str(tmp_path)},
                                    lowering="inductor")
-    assert_same((loss, grads), (ref_loss, ref_grads))
+    assert_same_loss_and_grads((loss, grads), (ref_loss, ref_grads))
     assert report.summary("offload")["host_bytes"] > 0
     assert all(layer["sliced"] for layer in report.summary("recompute")["layers"])
 
@@ -225,7 +154,7 @@ def test_host_budget_too_small_degrades_to_full_recompute():
     ref_loss, ref_grads, _ = reference("example")
     loss, grads, report = run_step("example", {"activations": "memo", "alpha": "auto",
                                                "resident_layers": 0, "host_memory": 1000.0})
-    assert_same((loss, grads), (ref_loss, ref_grads))
+    assert_same_loss_and_grads((loss, grads), (ref_loss, ref_grads))
     summary = report.summary("activations")
     assert "already exceeds the host memory budget" in summary["fallback"]
     assert summary["alpha"] == 0.0 and summary["lp"]["decision"]["feasible"] is False
@@ -262,7 +191,7 @@ def test_unclassifiable_model_is_a_reported_fallback():
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (ref_loss, ref_grads), (loss, grads) = results
     report = reports[-1]
-    assert_same((loss, grads), (ref_loss, ref_grads))
+    assert_same_loss_and_grads((loss, grads), (ref_loss, ref_grads))
     assert "no transformer layer" in report.summary("activations")["fallback"]
     assert report.summary("recompute")["matched"] == 0
     assert report.summary("offload")["matched"] == 0
@@ -283,4 +212,4 @@ def test_symbolic_sequence_length_is_a_reported_fallback():
     model.zero_grad(set_to_none=True)
     eager = F.cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     eager.backward()
-    assert_same((loss.detach(), grads), (eager.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert_same_loss_and_grads((loss.detach(), grads), (eager.detach(), {n: p.grad for n, p in model.named_parameters()}))

@@ -7,25 +7,17 @@ configuration (a module fixture), the tests read its sections.
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-pytest.importorskip("loong_compile.passes.attention_2d",
-                    reason="the 2D-Attention rewrite (issue 4) is not in this checkout yet")
+from helpers import BATCH, BUDGET, MODELS, SEQ, Sections, section_results
+from loong_compile import LoongBackend, shard_batch
+from loong_compile.estimate.alpha import agree_min
+from loong_compile.mesh import init_mesh
+from loong_compile.testing import run_distributed
 
-from loong_compile import LoongBackend, shard_batch  # noqa: E402
-from loong_compile.estimate.alpha import agree_min  # noqa: E402
-from loong_compile.mesh import init_mesh  # noqa: E402
-from loong_compile.testing import run_distributed  # noqa: E402
-from test_equivalence import example_llama, hf_llama  # noqa: E402
-
-BATCH, SEQ = 2, 64
-BUDGET = {"host_bandwidth": 1e12, "host_memory": 1e12, "layer_time": 1.0}
-MODELS = {"example": example_llama, "hf": hf_llama}
 # (model, hp, cp, activations, alpha[, lowering]); resident_layers=0 so the 2 layers are
 # swapped.  Every alpha on both models, the (hp, cp) factorisations spread among them.  "none"
 # under 2D-Attention is issue 4's test.  alpha="auto" measures bandwidth and layer time on
@@ -75,21 +67,23 @@ def _distributed(name, hp, cp, policy, alpha, ids, lowering="aot_eager"):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, summary
 
 
+def _relative_errors(config, ids, references):
+    loss, grads, summary = _distributed(*config[:5], ids, *config[5:])
+    ref_loss, ref_grads = references[config[0]]
+    errors = [abs(loss - ref_loss).item() / abs(ref_loss).item()]
+    errors += [((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max()).item()
+               for n in ref_grads]
+    return {"max_error": max(errors), "summary": summary}
+
+
 def _suite(rank, world):
     ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    out = {"agree_min": agree_min([10.0 + rank, 5.0 - rank])}
+    sections = Sections()
+    sections.results["agree_min"] = agree_min([10.0 + rank, 5.0 - rank])
     references = {name: _reference(name, ids) for name in MODELS}
     for config in CONFIGS:
-        try:
-            loss, grads, summary = _distributed(*config[:5], ids, *config[5:])
-            ref_loss, ref_grads = references[config[0]]
-            errors = [abs(loss - ref_loss).item() / abs(ref_loss).item()]
-            errors += [((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max()).item()
-                       for n in ref_grads]
-            out[config] = {"max_error": max(errors), "summary": summary}
-        except Exception:  # noqa: BLE001 - the test reports it
-            out[config] = ("failed", traceback.format_exc())
-    return out
+        sections.run(config, _relative_errors, config, ids, references)
+    return sections.results
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +94,10 @@ def four_ranks():
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
 def test_same_numbers_as_one_process(four_ranks, config):
-    for rank, result in enumerate(four_ranks):
-        value = result[config]
-        assert not (isinstance(value, tuple) and value[0] == "failed"), f"rank {rank}: {value[1]}"
+    values = section_results(four_ranks, config)
+    for rank, value in enumerate(values):
         assert value["max_error"] <= 1e-5, (rank, value)
-    summaries = [result[config]["summary"] for result in four_ranks]
+    summaries = [value["summary"] for value in values]
     assert all(s == summaries[0] for s in summaries)   # every rank built the same plan
 
 

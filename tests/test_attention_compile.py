@@ -5,12 +5,12 @@ One spawn of 4 gloo ranks runs every section; the tests read its results.
 
 from __future__ import annotations
 
-import traceback
 from collections import Counter
 
 import pytest
 import torch
 
+from helpers import Sections, section_results
 from loong_compile.data import mesh_token_indices
 from loong_compile.mesh import init_mesh
 from loong_compile.ops import attention_2d
@@ -97,14 +97,8 @@ def _joint_graph_counts(mesh):
 
 
 def _suite(rank, world):
-    out = {}
-
-    def section(name, fn, *args):
-        try:
-            out[name] = fn(*args)
-        except Exception:  # noqa: BLE001 - the test reports it
-            out[name] = ("failed", traceback.format_exc())
-
+    sections = Sections()
+    section = sections.run
     for spec in MESHES:
         mesh = init_mesh(**spec)
         tag = f"hp{mesh.hp}cp{mesh.cp}"
@@ -113,7 +107,7 @@ def _suite(rank, world):
         section(f"dynamo {tag}", _compiled_vs_eager, mesh, "dynamo", 4, 2)
         section(f"aot_eager {tag}", _compiled_vs_eager, mesh, "aot_eager", 4, 1)
     section("inductor", _compiled_vs_eager, init_mesh(**MESHES[0]), "inductor", 4, 2)
-    return out
+    return sections.results
 
 
 @pytest.fixture(scope="module")
@@ -121,17 +115,10 @@ def four_ranks():
     return run_distributed(_suite, 4, timeout=400)
 
 
-def _section(results, name):
-    for rank, result in enumerate(results):
-        value = result[name]
-        assert not (isinstance(value, tuple) and value[0] == "failed"), f"rank {rank}: {value[1]}"
-    return [result[name] for result in results]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tag", ["hp2cp2", "hp4cp1", "hp1cp4"])
 def test_opcheck_passes(four_ranks, tag):
-    for per_op in _section(four_ranks, f"opcheck {tag}"):
+    for per_op in section_results(four_ranks, f"opcheck {tag}"):
         assert per_op
         for op, tests in per_op.items():
             assert all(outcome == "SUCCESS" for outcome in tests.values()), (op, tests)
@@ -142,7 +129,7 @@ def test_opcheck_passes(four_ranks, tag):
 def test_joint_graph_has_each_op_once(four_ranks, tag):
     hp = int(tag[2])
     a2a = 4 if hp > 1 else 0  # q/k/v and out forward; their gradients backward
-    for counts in _section(four_ranks, f"make_fx {tag}"):
+    for counts in section_results(four_ranks, f"make_fx {tag}"):
         assert counts == Counter({"loong::ring_attention_fwd": 1, "loong::ring_attention_bwd": 1,
                                   **({"loong::seq_all_to_all": a2a} if a2a else {})})
 
@@ -151,7 +138,7 @@ def test_joint_graph_has_each_op_once(four_ranks, tag):
 @pytest.mark.parametrize("backend", ["dynamo", "aot_eager"])
 @pytest.mark.parametrize("tag", ["hp2cp2", "hp4cp1", "hp1cp4"])
 def test_fullgraph_compile_matches_eager(four_ranks, backend, tag):
-    for result in _section(four_ranks, f"{backend} {tag}"):
+    for result in section_results(four_ranks, f"{backend} {tag}"):
         assert max(result["errors"]) <= 1e-12, result["errors"]
         assert not any(result["zero_grads"])
         if backend == "dynamo":  # one graph, the forward ops of one attention call
@@ -163,7 +150,7 @@ def test_fullgraph_compile_matches_eager(four_ranks, backend, tag):
 
 @pytest.mark.slow
 def test_inductor_compile_matches_eager(four_ranks):
-    for result in _section(four_ranks, "inductor"):
+    for result in section_results(four_ranks, "inductor"):
         assert max(result["errors"]) <= 1e-12, result["errors"]
         assert not any(result["zero_grads"])
 

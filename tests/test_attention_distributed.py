@@ -9,14 +9,15 @@ size runs in ONE spawn (a module fixture); the tests read its sections.
 
 from __future__ import annotations
 
+import functools
 import math
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from helpers import Sections, section_results
 from loong_compile.data import gather_sequence, mesh_token_indices, sequence_divisor, shard_batch
 from loong_compile.errors import LoongError
 from loong_compile.mesh import init_mesh
@@ -24,6 +25,7 @@ from loong_compile.ops import attention_2d, comm_counters, reset_comm_counters
 from loong_compile.testing import run_distributed
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+BAD_INPUTS = "bad inputs"   # the section after the configs
 BATCH, HEAD_DIM = 2, 40
 
 
@@ -158,16 +160,19 @@ def _bad_inputs(world):
 
 
 def _suite(rank, world, configs, with_bad_inputs, float32_non_causal):
-    """The whole spawn: attention configs, then bad inputs.  Failures come back as text."""
-    out = {"configs": [], "bad_inputs": None, "failures": []}
+    """The whole spawn: one section per attention config, then bad inputs."""
+    sections = Sections()
     for config in configs:
-        try:
-            out["configs"] += _check_config(*config, float32_non_causal=float32_non_causal)
-        except Exception:  # noqa: BLE001 - reported by the test naming the config
-            out["failures"].append((config, traceback.format_exc()))
+        sections.run(config, functools.partial(_check_config, float32_non_causal=float32_non_causal), *config)
     if with_bad_inputs:
-        out["bad_inputs"] = _bad_inputs(world)
-    return out
+        sections.run(BAD_INPUTS, _bad_inputs, world)
+    return sections.results
+
+
+def _records(results) -> list[list]:
+    """Per rank, the records of every config section (fails on a section that raised)."""
+    per_config = [section_results(results, key) for key in results[0] if key != BAD_INPUTS]
+    return [[r for values in per_config for r in values[rank]] for rank in range(len(results))]
 
 
 @pytest.fixture(scope="module")
@@ -183,9 +188,7 @@ def eight_ranks():
 
 
 def _assert_numerics(results):
-    for rank_result in results:
-        assert not rank_result["failures"], rank_result["failures"][0][1]
-    records = [r for rank_result in results for r in rank_result["configs"]]
+    records = [r for rank_records in _records(results) for r in rank_records]
     assert records
     for label, dtype, errors, _, _ in records:
         worst = max(errors, key=errors.get)
@@ -193,8 +196,8 @@ def _assert_numerics(results):
 
 
 def _assert_bytes(results):
-    for rank, rank_result in enumerate(results):
-        for label, _, _, measured, expected in rank_result["configs"]:
+    for rank, rank_records in enumerate(_records(results)):
+        for label, _, _, measured, expected in rank_records:
             if expected is not None:
                 assert measured == expected, f"rank {rank} {label}: {measured} vs §4.5 {expected}"
 
@@ -204,7 +207,7 @@ def test_attention_matches_sdpa_on_4_ranks(four_ranks):
     _assert_numerics(four_ranks)
     # head cases x causal x dtype, and one gather_sequence check per mesh
     runs = sum(len(head_cases(hp)) * 2 * 2 + 1 for hp, *_ in mesh_configs(4))
-    assert len(four_ranks[0]["configs"]) == runs
+    assert len(_records(four_ranks)[0]) == runs
 
 
 @pytest.mark.slow
@@ -214,7 +217,7 @@ def test_bytes_sent_match_paper_formulas_on_4_ranks(four_ranks):
 
 @pytest.mark.slow
 def test_bad_inputs_raise_on_every_rank(four_ranks):
-    per_rank = [r["bad_inputs"] for r in four_ranks]
+    per_rank = section_results(four_ranks, BAD_INPUTS)
     for name, error, message in per_rank[0]:
         assert error is not None, f"{name}: {message}"
     expected = {"heads % hp": "LoongShapeError", "hp > H_kv, hp % H_kv": "LoongShapeError",

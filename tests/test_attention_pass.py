@@ -60,7 +60,7 @@ def test_gqa_call_becomes_attention_2d_on_unrepeated_kv(kind):
     assert summary["matched"] == 1 and site["kv_heads"] == HKV and site["heads"] == H
     assert site["kv_unrepeated"] is (kind != "enable_gqa")  # a repeat was removed
     assert "test_attention_pass.py" in site["source"]
-    assert ctx.state["attention_2d"] == [node.name]
+    assert site["node"] == node.name
     # the repeat nodes are gone
     assert not [n for n in gm.graph.nodes if n.target in ("expand", "repeat_interleave")]
 

@@ -34,6 +34,7 @@ class ReluToAbs:
 
 class CountJoint:
     name, stage = "count_joint", "joint"
+    provides = ("joint_tangents",)
 
     def enabled(self, config):
         return True
@@ -46,6 +47,7 @@ class CountJoint:
 
 class CountSaved:
     name, stage = "count_saved", "split"
+    requires = ("joint_tangents",)
 
     def enabled(self, config):
         return True
@@ -147,6 +149,46 @@ def test_disable_unknown_pass_is_an_error():
         LoongBackend({"disable_passes": ["relu2abs"]}, passes=small_passes())
 
 
+def test_disabling_a_pass_another_needs_names_both():
+    """recompute and offload act on the activation plan: without it they would report NO_PLAN."""
+    with pytest.raises(LoongConfigError) as error:
+        LoongBackend({"activations": "memo", "disable_passes": ["activations"]})
+    message = str(error.value)
+    assert "pass 'recompute' requires 'activation_plan'" in message
+    assert "provided by pass 'activations'" in message and "(disable_passes)" in message
+    assert "remove 'activations' from disable_passes" in message
+    # the same pipeline without memo: nothing requires the plan, so disabling it is fine
+    LoongBackend({"activations": "sc++", "disable_passes": ["activations"]})
+
+
+def test_schedule_checks_custom_pass_contracts():
+    with pytest.raises(LoongConfigError, match="'count_saved' requires 'joint_tangents', provided by "
+                                               "pass 'count_joint'.*disable_passes"):
+        LoongBackend({"disable_passes": ["count_joint"]}, passes=small_passes())
+
+    class NeedsNothingProvided(CountSaved):
+        name, requires = "needs_magic", ("magic",)
+
+    with pytest.raises(LoongConfigError, match="'needs_magic' requires 'magic', which no pass"):
+        LoongBackend({}, passes=[NeedsNothingProvided()])
+
+    class ProvidesLate(CountPostGrad):
+        name, provides = "provides_late", ("joint_tangents",)
+
+    with pytest.raises(LoongConfigError, match="provided by pass 'provides_late'.*runs after 'count_saved'"):
+        LoongBackend({}, passes=[CountSaved(), ProvidesLate()])
+
+
+def test_library_passes_declare_their_contracts():
+    from loong_compile.passes import library_passes
+
+    for p in library_passes():
+        assert isinstance(p.requires, tuple) and isinstance(p.provides, tuple), p.name
+    facts = {p.name: (p.requires, p.provides) for p in library_passes()}
+    assert facts["token_locality"][0] == ("attention_sites",)
+    assert facts["recompute"][0] == facts["offload"][0] == ("activation_plan",)
+
+
 def test_bad_stage_is_an_error():
     class Bad(ReluToAbs):
         stage = "pre_dynamo"
@@ -166,7 +208,7 @@ def test_dump_dir_has_code_and_reports(tmp_path):
     dynamo_after = next(graph_dir.glob("*_dynamo_after.py")).read_text()
     assert "= torch.abs(linear)" in dynamo_after and "= torch.relu(" not in dynamo_after
     data = json.loads((graph_dir / "report.json").read_text())
-    assert set(data) >= {"graph_id", "rank", "config", "passes", "skipped", "warnings", "stage_seconds"}
+    assert set(data) >= {"graph_id", "rank", "config", "passes", "skipped", "stage_seconds"}
     assert data["config"]["dump_dir"] == str(tmp_path)
     assert [p["name"] for p in data["passes"]] == ["relu_to_abs", "count_joint", "count_saved",
                                                    "count_post_grad", "count_post_grad"]

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from loong_compile.passes.activations import attention_ops, find_layers, is_attention, tangent_dependent
-from test_activations import Probe, run_step
-from test_recompute import _mixing
+from loong_compile.passes.fx_util import attention_ops, is_attention, tangent_dependent
+from loong_compile.passes.layers import find_layers
+from helpers import Probe, mixing_model, run_step
 
 MUST_SAVE, PREFER_RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -78,6 +78,6 @@ def test_sc_plus_plus_recomputes_everything_but_the_attention():
 
 
 def test_random_ops_stay_saved_under_sc_plus_plus():
-    probe = _tags("sc++", model="dropout_tags", make=_mixing(0.25))
+    probe = _tags("sc++", model="dropout_tags", make=mixing_model(0.25))
     random = [n for n in probe.tags if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
     assert random and all(probe.tags[n] == MUST_SAVE for n in random)

@@ -9,13 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import tiny_llama
 import loong_compile as lc
 from loong_compile import _compat
 from loong_compile.passes import memory_plan as memory_plan_module
-from loong_compile.passes.memory_plan import (
-    MemoryPlanPass, inductor_config_patches, layer_of_origins, layer_of_paths,
-    normalize_module_path,
-)
+from loong_compile.passes.fx_util import layer_of_paths, normalize_module_path
+from loong_compile.passes.memory_plan import MemoryPlanPass, inductor_config_patches, layer_of_origins
 from loong_compile.testing import run_distributed
 
 # A buffer carved out of a pool in Inductor's generated code (the module header always
@@ -117,16 +116,7 @@ def one_thread():
 
 
 def make_model(kind: str, n_layers: int) -> nn.Module:
-    torch.manual_seed(0)
-    if kind == "llama":
-        from llama import Llama, LlamaConfig
-
-        return Llama(LlamaConfig(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=160))
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=n_layers,
-        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
+    return tiny_llama(hf=kind == "hf", layers=n_layers, ffn=160)
 
 
 def logits_of(model, ids, pos):

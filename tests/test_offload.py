@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llama import Llama, LlamaConfig
 from loong_compile.ops.offload import OFFLOAD, RELOAD, WAIT
-from loong_compile.passes.activations import CATEGORIES, base_of, layer_name
+from loong_compile.passes.activations import ACTIVATION_PLAN, CATEGORIES
+from loong_compile.passes.fx_util import base_of
+from loong_compile.passes.layers import layer_name
 from loong_compile.passes.offload import ROUNDING_BUFFER, forward_uses
-from test_activations import Probe, run_step
+from helpers import Probe, run_step, tiny_llama
 
 
 # -- the ops ------------------------------------------------------------------------------
@@ -59,8 +60,7 @@ def test_ops_on_cuda_use_pinned_host_memory_and_a_side_stream():
 # -- placement in real graphs ---------------------------------------------------------------
 
 def three_layers():
-    torch.manual_seed(0)
-    return Llama(LlamaConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128))
+    return tiny_llama(layers=3)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def offloaded():
     _, _, report = run_step("three", {"activations": "memo", "alpha": 0.5, "resident_layers": 0},
                             probe=probe, make=three_layers)
     split, = probe.graphs
-    return split, probe.state["activations"], report
+    return split, probe.state[ACTIVATION_PLAN], report
 
 
 def _layer_nodes(graph, plan):

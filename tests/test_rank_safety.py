@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import loong_compile as lc
 from conftest import error_of, still_in_step
+from helpers import tiny_llama
 from loong_compile.testing import run_distributed
 
 
@@ -68,11 +69,8 @@ def scenarios(rank: int, world: int) -> dict[str, tuple[str, bool]]:
 
 def _dynamic_lengths(mesh) -> list[tuple[int, float, float]]:
     """mark_dynamic on the sequence: one graph for every length, each exact vs one process."""
-    from llama import Llama, LlamaConfig
-
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    model = tiny_llama(layers=1, dim=32, ffn=64)
     reports = []
     backend = lc.LoongBackend({"hp": 2, "cp": 2, "lowering": "aot_eager"}, on_report=reports.append)
     compiled = torch.compile(model, backend=backend, fullgraph=True)

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from loong_compile.passes.recompute import TokenDim, analyse
-from test_activations import SEQ, Probe, assert_same, captured, run_step
+from loong_compile.passes.token_rules import TokenDim, analyse
+from helpers import SEQ, Probe, assert_same_loss_and_grads, captured, mixing_model, run_step
 
 S = 8   # tokens in the hand-built graphs
 
@@ -120,52 +119,12 @@ def test_recompute_covers_exactly_the_tokens_not_offloaded(model_name):
         assert layer["recomputed_tokens"] == [a, SEQ] and layer["recompute_flops"] > 0
 
 
-class MixingBlock(torch.nn.Module):
-    """Attention, then a cumulative sum along the sequence: not token-wise."""
-
-    def __init__(self, dim=32, heads=2, dropout=0.0):
-        super().__init__()
-        self.heads, self.dropout = heads, dropout
-        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
-        self.mix = torch.nn.Linear(dim, dim)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
-        h = torch.tanh(self.mix(x))
-        if self.dropout:
-            h = F.dropout(h, self.dropout, training=True)
-        return x + torch.cumsum(h, dim=1) / s
-
-
-class MixingModel(torch.nn.Module):
-    def __init__(self, dropout=0.0):
-        super().__init__()
-        self.embed = torch.nn.Embedding(256, 32)
-        self.blocks = torch.nn.ModuleList(MixingBlock(dropout=dropout) for _ in range(2))
-        self.out = torch.nn.Linear(32, 256)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
-
-
-def _mixing(dropout):
-    def make():
-        torch.manual_seed(0)
-        return MixingModel(dropout)
-    return make
-
-
 def test_cumulative_op_falls_back_to_full_recompute():
-    make = _mixing(0.0)
+    make = mixing_model(0.0)
     ref = run_step("mixing", {"activations": "none"}, make=make)
     loss, grads, report = run_step("mixing", {"activations": "memo", "alpha": 0.5, "resident_layers": 0},
                                    make=make)
-    assert_same((loss, grads), ref[:2])
+    assert_same_loss_and_grads((loss, grads), ref[:2])
     layers = report.summary("recompute")["layers"]
     # The last block's output (read by the head) comes out of the cumsum: recomputed in full.
     full = layers[-1]["full"]
@@ -174,13 +133,13 @@ def test_cumulative_op_falls_back_to_full_recompute():
 
 
 def test_random_op_is_never_recomputed():
-    make = _mixing(0.25)
+    make = mixing_model(0.25)
     options = {"activations": "memo", "alpha": 0.5, "resident_layers": 0}
     captured("dropout", make)   # Dynamo's trace runs the model once: draw before seeding
     torch.manual_seed(1)
     ref = run_step("dropout", {"activations": "none"}, make=make)
     torch.manual_seed(1)
     loss, grads, report = run_step("dropout", options, make=make)
-    assert_same((loss, grads), ref[:2])
+    assert_same_loss_and_grads((loss, grads), ref[:2])
     kept = [k for layer in report.summary("recompute")["layers"] for k in layer["kept"]]
     assert kept and all(k["reason"] == "its recompute chain has a random op" for k in kept)

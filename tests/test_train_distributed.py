@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import loong_compile as lc
+from helpers import tiny_llama
 from loong_compile.testing import run_distributed
 
 STEPS = 10
@@ -32,17 +33,7 @@ TIMEOUT = 1500
 
 
 def make_model(kind: str, kv_heads: int = 2, layers: int = 2) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if kind == "llama":
-        from llama import Llama, LlamaConfig
-
-        return Llama(LlamaConfig(dim=64, n_layers=layers, n_heads=8, n_kv_heads=kv_heads, ffn_dim=96))
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                      num_attention_heads=8, num_key_value_heads=kv_heads, max_position_embeddings=SEQ,
-                      attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg)
+    return tiny_llama(hf=kind == "hf", layers=layers, heads=8, kv_heads=kv_heads, ffn=96, max_positions=SEQ)
 
 
 def logits_of(model, kind, ids, pos):

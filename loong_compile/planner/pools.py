@@ -56,7 +56,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from loong_compile.planner.bilevel import plan_bilevel
-from loong_compile.planner.problem import Buffer, LoongPlanError, Plan, check_buffers
+from loong_compile.planner.problem import Buffer, LoongPlanError, Plan, aligned, check_buffers
 from loong_compile.planner.solve import plan
 
 # The whole-graph plan's share of the time limit (the segments get the rest).
@@ -97,10 +97,6 @@ class PoolPlan:
             for i, off in zip(members, p.offsets):
                 out[i] = (k, off)
         return out
-
-
-def _aligned(size: int, alignment: int) -> int:
-    return -(-size // alignment) * alignment
 
 
 def layout_peak(background: Sequence[int], pools: Sequence[tuple[int, int, int]],
@@ -257,7 +253,7 @@ def plan_pools(buffers: Sequence[Buffer], backgrounds: Sequence[Sequence[int]],
                              "step", "pass [background] for a single scenario")
     # Buffers that take no memory need no pool.
     planned = [i for i, b in enumerate(buffers) if b.size and b.end > b.start]
-    sizes = [_aligned(buffers[i].size, alignment) for i in planned]
+    sizes = [aligned(buffers[i].size, alignment) for i in planned]
     starts = [buffers[i].start for i in planned]
     ends = [buffers[i].end for i in planned]
     bounds = [layout_peak(background, [], list(zip(sizes, starts, ends)))
@@ -272,7 +268,7 @@ def plan_pools(buffers: Sequence[Buffer], backgrounds: Sequence[Sequence[int]],
     def result(pools, members, alone, extra_notes):
         pool_spans = [(p.arena, min(buffers[m].start for m in ms), max(buffers[m].end for m in ms))
                       for p, ms in zip(pools, members)]
-        lone = [(_aligned(buffers[i].size, alignment), buffers[i].start, buffers[i].end)
+        lone = [(aligned(buffers[i].size, alignment), buffers[i].start, buffers[i].end)
                 for i in alone]
         peaks = [layout_peak(background, pool_spans, lone) for background in backgrounds]
         if any(peak > bound for peak, bound in zip(peaks, bounds)):

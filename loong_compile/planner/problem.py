@@ -115,7 +115,8 @@ def check_buffers(buffers: Sequence[Buffer], alignment: int) -> None:
                                  "swap start and end, or fix the step numbering")
 
 
-def _aligned(size: int, alignment: int) -> int:
+def aligned(size: int, alignment: int) -> int:
+    """``size`` rounded up to a multiple of ``alignment``."""
     return -(-size // alignment) * alignment
 
 
@@ -124,8 +125,8 @@ def lower_bound(buffers: Sequence[Buffer], alignment: int = 1) -> int:
     delta: dict[int, int] = {}
     for b in buffers:
         if b.size and b.end > b.start:
-            delta[b.start] = delta.get(b.start, 0) + _aligned(b.size, alignment)
-            delta[b.end] = delta.get(b.end, 0) - _aligned(b.size, alignment)
+            delta[b.start] = delta.get(b.start, 0) + aligned(b.size, alignment)
+            delta[b.end] = delta.get(b.end, 0) - aligned(b.size, alignment)
     live = best = 0
     for step in sorted(delta):
         live += delta[step]
@@ -190,9 +191,9 @@ class Instance:
         self.buffers = tuple(buffers)
         self.alignment = alignment
         self.index = [i for i, b in enumerate(buffers) if b.size and b.end > b.start]
-        aligned = [_aligned(buffers[i].size, alignment) for i in self.index]
-        self.unit = alignment * (math.gcd(*(a // alignment for a in aligned)) if aligned else 1)
-        self.sizes = [a // self.unit for a in aligned]
+        sizes = [aligned(buffers[i].size, alignment) for i in self.index]
+        self.unit = alignment * (math.gcd(*(a // alignment for a in sizes)) if sizes else 1)
+        self.sizes = [a // self.unit for a in sizes]
         self.starts = [buffers[i].start for i in self.index]
         self.ends = [buffers[i].end for i in self.index]
         self.n = len(self.index)

@@ -1,0 +1,236 @@
+"""FX graph facts the passes share: which op is the attention, views and the storage behind
+them, bytes and FLOPs of a node, random ops, adding a call with its fake value, graph order,
+and where a node came from (its source line, and the ``nn_module_stack`` module paths Dynamo
+records: one parser for all of them).
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from pathlib import Path
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.utils.flop_counter import flop_registry
+
+from loong_compile import _compat
+
+aten = torch.ops.aten
+
+# The attention ops: PyTorch's SDPA kernels (what a single process traces) and the
+# 2D-Attention ring op.  Looked up by name, so a missing op (loong_compile.ops not
+# imported, a kernel absent from this build) is simply not in the set.
+ATTENTION_OP_NAMES = (
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "loong.ring_attention_fwd",
+)
+
+
+def attention_ops() -> frozenset:
+    """The OpOverloadPackets that count as "the attention op" (forward, returning out and lse)."""
+    found = []
+    for name in ATTENTION_OP_NAMES:
+        namespace, op = name.split(".")
+        try:
+            found.append(getattr(getattr(torch.ops, namespace), op))
+        except (AttributeError, RuntimeError):
+            continue
+    return frozenset(found)
+
+
+def is_attention(node: torch.fx.Node, ops: frozenset | None = None) -> bool:
+    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in (
+        attention_ops() if ops is None else ops)
+
+
+def getitem_users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The getitem nodes reading a multi-output op's results (the attention's out, lse, ...)."""
+    return [u for u in node.users if u.target is operator.getitem]
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """Whether ``node`` draws random numbers (running it again gives other values)."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def tangent_dependent(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Nodes of a joint graph that depend on a tangent: the backward; all others are forward."""
+    dependent: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
+                a in dependent for a in node.all_input_nodes):
+            dependent.add(node)
+    return dependent
+
+
+# -- views, bytes, FLOPs, new calls ------------------------------------------------------------
+
+def is_view(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value shares its input's storage (``_unsafe_view`` does too)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return is_view(node.args[0])
+    target = node.target
+    return target is aten._unsafe_view.default or bool(getattr(target, "is_view", False))
+
+
+def base_of(node: torch.fx.Node) -> torch.fx.Node:
+    """The node that owns ``node``'s storage (``node`` itself unless it is a view)."""
+    while is_view(node):
+        node = node.args[0].args[0] if node.target is operator.getitem else node.args[0]
+    return node
+
+
+def view_path(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The view nodes from ``base_of(node)`` (exclusive) to ``node`` (inclusive), in order."""
+    path = []
+    while is_view(node):
+        path.append(node)
+        if node.target is operator.getitem:
+            path.append(node.args[0])
+            node = node.args[0].args[0]
+        else:
+            node = node.args[0]
+    return path[::-1]
+
+
+def nbytes(node: torch.fx.Node) -> int:
+    """Bytes of the storage behind ``node``'s value (for a symbolic size: at its example value,
+    read without a guard, so a dimension marked dynamic stays dynamic)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    try:
+        return optimization_hint(val.untyped_storage().nbytes())
+    except (NotImplementedError, RuntimeError):
+        return optimization_hint(val.numel()) * val.element_size()
+
+
+def node_flops(node: torch.fx.Node) -> int:
+    """FLOPs of one node from its fake values: matmuls via PyTorch's flop formulas, attention
+    as 4·B·H·Sq·Sk·D (half of it when causal); everything else counts as 0."""
+    if node.op != "call_function" or not hasattr(node.target, "overloadpacket"):
+        return 0
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
+    if is_attention(node):
+        q, k = vals[0], vals[1]
+        named = node.normalized_arguments(None, normalize_to_only_use_kwargs=True)
+        named = named.kwargs if named is not None else {}
+        b, h, sq, d = q.shape
+        # the ring op sees one KV chunk at a time; its queries meet all cp chunks
+        flops = 4 * b * h * sq * k.shape[-2] * d * named.get("cp", 1)
+        return flops // 2 if named.get("is_causal", False) else flops
+    formula = flop_registry.get(node.target.overloadpacket)
+    if formula is None:
+        return 0
+    kwargs = {k: (v.meta.get("val") if isinstance(v, torch.fx.Node) else v) for k, v in node.kwargs.items()}
+    try:
+        return int(formula(*vals, out_val=node.meta.get("val"), **kwargs))
+    except (TypeError, ValueError, AttributeError):
+        return 0
+
+
+def set_meta(node: torch.fx.Node) -> None:
+    """Compute ``node.meta["val"]`` from its inputs' fake values (for nodes a pass adds)."""
+    def val(a: Any) -> Any:
+        return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+    args = torch.fx.node.map_aggregate(node.args, val)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, val)
+    if node.target is operator.getitem:
+        node.meta["val"] = args[0][args[1]]
+        return
+    fake_mode = _compat.fake_mode_of([a.meta.get("val") for a in node.all_input_nodes])
+    if fake_mode is None:
+        raise RuntimeError(f"no fake values on the inputs of {node.format_node()}")
+    with fake_mode:
+        node.meta["val"] = node.target(*args, **kwargs)
+
+
+def insert_call(graph: torch.fx.Graph, target: Any, args: tuple, kwargs: dict | None = None,
+                name: str | None = None) -> torch.fx.Node:
+    """Add a call at the graph's current insertion point, with its fake value."""
+    node = graph.call_function(target, args, kwargs or {}, name=name)
+    set_meta(node)
+    return node
+
+
+# -- graph order --------------------------------------------------------------------------
+
+def first_in_order(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> torch.fx.Node:
+    wanted = set(nodes)
+    for node in graph.nodes:
+        if node in wanted:
+            return node
+    raise ValueError("none of the nodes is in the graph")
+
+
+def last_in_order(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> torch.fx.Node:
+    wanted, last = set(nodes), None
+    for node in graph.nodes:
+        if node in wanted:
+            last = node
+    if last is None:
+        raise ValueError("none of the nodes is in the graph")
+    return last
+
+
+# -- module paths ---------------------------------------------------------------------------
+
+# Dynamo writes a module path as ``L['self'].layers[3]._modules['mlp']`` (or ``.layers.3.mlp``);
+# its root is the compiled function's local (``L['self']``).
+_PATH_ROOT = re.compile(r"^L\['[^']*'\]")
+_PATH_PART = re.compile(r"\.(\w+)|\[(\d+)\]|\['([^']+)'\]")
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The innermost module path on ``node``'s ``nn_module_stack`` as Dynamo wrote it."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "<top level>"
+    path, _ = list(stack.values())[-1]
+    return str(path)
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """The innermost frame of the node's stack trace outside torch itself, and its code."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
+    frames = [(lines[i], lines[i + 1] if i + 1 < len(lines) else "")
+              for i in range(len(lines)) if lines[i].startswith("File ")]
+    outside = [f for f in frames if _TORCH_DIR not in f[0]] or frames
+    return f"{outside[-1][0]}: {outside[-1][1]}".strip() if outside else "<unknown source>"
+
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+def module_path_parts(path: str) -> list[str]:
+    """The attribute names from the root module to the module at ``path``
+    (``L['self'].layers[3]._modules['mlp']`` -> ``['layers', '3', 'mlp']``)."""
+    names = (attr or index or key for attr, index, key in _PATH_PART.findall(_PATH_ROOT.sub("", path)))
+    return [name for name in names if name != "_modules"]
+
+
+def normalize_module_path(path: str) -> str:
+    """Dynamo's module path (``L['self'].layers[3]._modules['mlp']``) as ``layers.3.mlp``."""
+    return ".".join(module_path_parts(path))
+
+
+def layer_of_paths(paths: Iterable[str]) -> str | None:
+    """The transformer layer on one module stack (outer to inner): the outermost element of a
+    ModuleList or Sequential, e.g. ``layers.0`` or ``model.layers.3``; None outside every layer."""
+    for path in paths:
+        parts = module_path_parts(path)
+        index = next((k for k, part in enumerate(parts) if k > 0 and part.isdigit()), None)
+        if index is not None:
+            return ".".join(parts[:index + 1])
+    return None

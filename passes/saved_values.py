@@ -1,0 +1,114 @@
+"""The values the forward saves for the backward, as an editable list: add, replace, remove
+or rebase a saved value while keeping AOTAutograd's pairing of forward outputs with backward
+placeholders.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from loong_compile.passes.base import SplitGraphs
+from loong_compile.passes.fx_util import base_of, first_in_order, view_path
+
+
+class SavedValues:
+    """Edit what the forward saves for the backward, keeping AOTAutograd's pairing: the
+    forward's outputs after ``num_fwd_outputs`` are the backward's first placeholders, in the
+    same order, tensors first and symbolic ints after."""
+
+    def __init__(self, split: SplitGraphs, keep: set[torch.fx.Node] = frozenset()):
+        self.keep = keep             # saved as they are even if they are views (token prefixes)
+        self.fw, self.bw = split.forward.graph, split.backward.graph
+        self.output = self.fw.find_nodes(op="output")[0]
+        outs = list(self.output.args[0])
+        self.user_outputs = outs[:split.num_fwd_outputs]
+        saved = outs[split.num_fwd_outputs:]
+        placeholders = list(self.bw.find_nodes(op="placeholder"))
+        self.tensors: list[list[torch.fx.Node]] = []   # [forward node, backward placeholder]
+        self.others: list[torch.fx.Node] = []          # symbolic values, kept as they are
+        for fw_node, ph in zip(saved, placeholders):
+            if isinstance(fw_node, torch.fx.Node) and isinstance(fw_node.meta.get("val"), torch.Tensor):
+                self.tensors.append([fw_node, ph])
+            else:
+                self.others.append(fw_node)
+
+    def __iter__(self):
+        return iter([tuple(pair) for pair in self.tensors])
+
+    def placeholder(self, fw_node: torch.fx.Node) -> torch.fx.Node | None:
+        for node, ph in self.tensors:
+            if node is fw_node:
+                return ph
+        return None
+
+    def add(self, fw_node: torch.fx.Node) -> torch.fx.Node:
+        """Save ``fw_node`` too (if it isn't yet); its backward placeholder."""
+        existing = self.placeholder(fw_node)
+        if existing is not None:
+            return existing
+        anchor = self.tensors[-1][1] if self.tensors else None
+        if anchor is None:
+            first = next(iter(self.bw.nodes))
+            ctx = self.bw.inserting_before(first)
+        else:
+            ctx = self.bw.inserting_after(anchor)
+        # A placeholder's target is its argument name in the generated code: keep it equal to
+        # the node's name by choosing a name no node has (FX would rename only the node).
+        taken = {n.name for n in self.bw.nodes}
+        name = fw_node.name
+        while name in taken:
+            name += "_saved"
+        with ctx:
+            ph = self.bw.placeholder(name)
+        ph.meta["val"] = fw_node.meta["val"]
+        self.tensors.append([fw_node, ph])
+        self._commit()
+        return ph
+
+    def replace(self, fw_old: torch.fx.Node, fw_new: torch.fx.Node) -> torch.fx.Node:
+        """Save ``fw_new`` in ``fw_old``'s place; the same placeholder, with the new value."""
+        for pair in self.tensors:
+            if pair[0] is fw_old:
+                pair[0] = fw_new
+                pair[1].meta["val"] = fw_new.meta["val"]
+                self._commit()
+                return pair[1]
+        raise KeyError(fw_old.name)
+
+    def remove(self, fw_node: torch.fx.Node) -> None:
+        """Stop saving ``fw_node``; its placeholder must have no users left."""
+        for k, (node, ph) in enumerate(self.tensors):
+            if node is fw_node:
+                if ph.users:
+                    raise RuntimeError(f"{ph.name} is still used by {list(ph.users)}")
+                self.bw.erase_node(ph)
+                del self.tensors[k]
+                self._commit()
+                return
+        raise KeyError(fw_node.name)
+
+    def rebase(self, base: torch.fx.Node) -> torch.fx.Node:
+        """Save ``base`` alone instead of views of it: the backward rebuilds each view from the
+        base's placeholder right before the view's first use.  Returns the base's placeholder."""
+        views = [node for node, _ in self.tensors
+                 if node is not base and node not in self.keep and base_of(node) is base]
+        if not views and self.placeholder(base) is not None:
+            return self.placeholder(base)
+        base_ph = self.add(base)
+        for view in views:
+            ph = self.placeholder(view)
+            users = list(ph.users)
+            if users:
+                with self.bw.inserting_before(first_in_order(self.bw, users)):
+                    env = {base: base_ph}
+                    for node in view_path(view):
+                        env[node] = self.bw.node_copy(node, env.__getitem__)
+                for user in users:
+                    user.replace_input_with(ph, env[view])
+            self.remove(view)
+        return base_ph
+
+    def _commit(self) -> None:
+        saved = [node for node, _ in self.tensors] + self.others
+        self.output.update_arg(0, tuple(self.user_outputs + saved))

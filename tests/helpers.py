@@ -1,0 +1,185 @@
+"""Helpers shared by the test modules (imported by conftest.py; test modules import them from
+here, never from each other): the tiny Llama builder, one single-process training step through
+a ``LoongBackend`` with a probe pass, the gradient-equality assertion, and the multi-rank
+section harness.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from loong_compile import LoongBackend
+from loong_compile.passes import library_passes
+
+VOCAB = 256
+
+
+def tiny_llama(hf: bool = False, layers: int = 2, heads: int = 4, kv_heads: int = 2, ffn: int = 128,
+               dim: int = 64, max_positions: int | None = None) -> torch.nn.Module:
+    """A small Llama, seeded: the example model (examples/llama.py) or, with ``hf``,
+    transformers' ``LlamaForCausalLM`` (SDPA attention) of the same sizes."""
+    torch.manual_seed(0)
+    if not hf:
+        from llama import Llama, LlamaConfig
+
+        return Llama(LlamaConfig(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    extra = {} if max_positions is None else {"max_position_embeddings": max_positions}
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=dim, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, attn_implementation="sdpa", **extra))
+
+
+def example_llama() -> torch.nn.Module:
+    return tiny_llama()
+
+
+def hf_llama() -> torch.nn.Module:
+    return tiny_llama(hf=True, max_positions=256)
+
+
+class MixingBlock(torch.nn.Module):
+    """Attention, then a cumulative sum along the sequence: not token-wise."""
+
+    def __init__(self, dim=32, heads=2, dropout=0.0):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.mix = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        h = torch.tanh(self.mix(x))
+        if self.dropout:
+            h = F.dropout(h, self.dropout, training=True)
+        return x + torch.cumsum(h, dim=1) / s
+
+
+class MixingModel(torch.nn.Module):
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 32)
+        self.blocks = torch.nn.ModuleList(MixingBlock(dropout=dropout) for _ in range(2))
+        self.out = torch.nn.Linear(32, 256)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def mixing_model(dropout: float):
+    """A builder of a two-block model whose blocks mix tokens after attention (a cumsum along
+    the sequence), with dropout if ``dropout`` > 0."""
+    def make():
+        torch.manual_seed(0)
+        return MixingModel(dropout)
+    return make
+
+
+def assert_same_loss_and_grads(got: tuple[torch.Tensor, dict], want: tuple[torch.Tensor, dict],
+                               rtol: float = 1e-5, atol: float = 1e-7) -> None:
+    """Same loss and same gradient for every parameter, none of which vanished."""
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=rtol, atol=atol, msg=name)
+        assert grads[name].abs().sum() > 0, name   # a vanished gradient is not "equal"
+
+
+# -- one training step through the backend, single process -----------------------------------
+
+# MEMO's LP inputs given, so no test measures the machine: budgets with room to spare.
+BUDGET = {"host_bandwidth": 1e12, "host_memory": 1e12, "layer_time": 1.0}
+BATCH, SEQ = 2, 64
+DIM, HEADS, KV_HEADS, FFN = 64, 4, 2, 128     # both models of MODELS
+MODELS = {"example": example_llama, "hf": hf_llama}
+
+
+class Probe:
+    """A split-stage pass that runs after the library's and keeps both graphs."""
+
+    name, stage = "probe", "split"
+
+    def __init__(self):
+        self.graphs = []
+
+    def enabled(self, config):
+        return True
+
+    def run(self, split, ctx):
+        self.graphs.append(split)
+        self.state = ctx.state
+        return {}
+
+
+def token_ids(seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(1))
+
+
+_captured: dict[str, tuple] = {}
+
+
+def captured(name: str, make: Callable[[], torch.nn.Module] | None = None):
+    """(model, ids, Dynamo's graph, its example inputs) of a model, traced once per name."""
+    if name not in _captured:
+        model, ids, graphs = (make or MODELS[name])(), token_ids(), []
+        torch._dynamo.reset()
+        torch.compile(model, backend=lambda gm, ex: graphs.append((gm, ex)) or gm.forward,
+                      fullgraph=True)(ids)
+        (gm, example), = graphs
+        _captured[name] = (model, ids, gm, example)
+    return _captured[name]
+
+
+def run_step(name: str, options, probe: Probe | None = None, lowering="aot_eager", make=None):
+    """One forward + backward of model ``name`` through a LoongBackend with ``options``:
+    (loss, grads by parameter name, the graph's report).  Each model is traced by Dynamo once
+    (``captured``) and its graph handed to a fresh backend: the backend's own stages (joint,
+    split, lowering) all run every time."""
+    model, ids, gm, example = captured(name, make)
+    model.zero_grad(set_to_none=True)
+    reports = []
+    passes = library_passes() + ([probe] if probe else [])
+    backend = LoongBackend({"lowering": lowering, **BUDGET, **options}, passes=passes,
+                           on_report=reports.append)
+    outputs = backend(copy.deepcopy(gm), example)(*example)
+    logits, = [o for o in outputs if tuple(o.shape) == (*ids.shape, VOCAB)]
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, reports[-1]
+
+
+# -- multi-rank tests: named sections, each failure kept as text -------------------------------
+
+class Sections:
+    """What one rank's run of a multi-rank suite returns: each named section's result, or
+    ``("failed", traceback)`` so one failing part does not hide the others."""
+
+    def __init__(self):
+        self.results: dict[Any, Any] = {}
+
+    def run(self, name: Any, fn: Callable, *args: Any) -> None:
+        try:
+            self.results[name] = fn(*args)
+        except Exception:  # noqa: BLE001 - section_results reports it
+            self.results[name] = ("failed", traceback.format_exc())
+
+
+def section_results(per_rank: list[dict], name: Any) -> list[Any]:
+    """Section ``name``'s result on every rank; fails naming the rank whose section raised."""
+    for rank, result in enumerate(per_rank):
+        value = result[name]
+        assert not (isinstance(value, tuple) and value[:1] == ("failed",)), f"rank {rank}: {value[1]}"
+    return [result[name] for result in per_rank]
