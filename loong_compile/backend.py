@@ -101,6 +101,8 @@ class _GraphCompile:
         self.on_report = backend.on_report
         self.state: dict[str, Any] = {}
         self.active: dict[str, list[GraphPass]] = {stage: [] for stage in STAGES}
+        self.report.skipped += [{"name": c.name, "stage": "torch", "reason": c.without}
+                                for c in _compat.degraded()]
         for p in backend.passes:
             if p.name in self.config.disable_passes:
                 self.report.skipped.append({"name": p.name, "stage": p.stage, "reason": "disable_passes"})
