@@ -62,6 +62,7 @@ def run_pass(request, time_limit=2.0):
     return MemoryPlanPass().run(request, ctx)
 
 
+@pytest.mark.compat
 def test_pass_places_every_buffer_and_reports_the_peaks():
     request = make_request()
     summary = run_pass(request)
@@ -191,6 +192,7 @@ def assert_identical(plain: dict, planned: dict) -> None:
             assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "hf"])
 def test_plan_is_bit_identical_uses_pools_and_never_raises_the_peak(kind, one_thread):
@@ -249,6 +251,7 @@ def test_second_compile_of_the_same_graph_still_plans_and_reports(one_thread):
     assert summaries == [{"forward", "backward"}] * 2
 
 
+@pytest.mark.compat
 def test_plain_inductor_through_the_config_patches(one_thread):
     torch.manual_seed(0)
     planned = nn.Sequential(nn.Linear(32, 96), nn.ReLU(), nn.Linear(96, 96), nn.ReLU(),
@@ -296,6 +299,7 @@ def distributed_worker(rank: int, world: int) -> dict:
     return results
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 def test_four_ranks_hp2_cp2_bit_identical_with_the_plan(monkeypatch):
     # One Inductor compile worker per rank: four ranks on a small machine would
