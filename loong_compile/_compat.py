@@ -94,6 +94,14 @@ CAPABILITIES: dict[str, Capability] = {c.name: c for c in [
         "(torch 2.11 calls _post_fusion_custom_pass the same way)",
         _has_attr("torch._inductor.custom_graph_pass", "CustomSchedulerPass"),
         degrades=False),
+    Capability(
+        "symbolic_optimization_hint",
+        "torch.fx.experimental.symbolic_shapes.optimization_hint: a symbolic size's example "
+        "value without adding a guard",
+        ">=2.12",
+        "nothing a user sees: size_hint reads the same example value (symbolic_shapes.size_hint)",
+        _has_attr("torch.fx.experimental.symbolic_shapes", "optimization_hint"),
+        degrades=False),
 ]}
 
 
@@ -181,6 +189,18 @@ def sdpa_flash_cuda_backward(dout, q, k, v, out, lse, is_causal: bool, scale: fl
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, is_causal, seed, offset,
         scale=scale)
+
+
+# --- symbolic sizes (passes/activations.py) ----------------------------------
+
+def size_hint(value) -> int:
+    """The example value of an int or SymInt, read without adding a guard (a dimension
+    marked dynamic stays dynamic)."""
+    from torch.fx.experimental import symbolic_shapes
+
+    if has("symbolic_optimization_hint"):
+        return symbolic_shapes.optimization_hint(value)
+    return symbolic_shapes.size_hint(value)
 
 
 # --- dynamo backend registry (backend.py) ------------------------------------
@@ -359,7 +379,7 @@ def measure_peak_bytes(fn):
 
 
 # --- Inductor memory planning (passes/memory_plan.py): re-exported ------------
-# noqa: E402 - after KeyedHook, which the planner module subclasses
+# Imported last: the planner module subclasses KeyedHook and reads the capabilities.
 
 from loong_compile._inductor_pool_planner import (  # noqa: E402
     PoolPlanningHook,
