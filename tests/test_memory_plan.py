@@ -192,7 +192,6 @@ def assert_identical(plain: dict, planned: dict) -> None:
             assert torch.equal(a[name], b[name]), name
 
 
-@pytest.mark.compat
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "hf"])
 def test_plan_is_bit_identical_uses_pools_and_never_raises_the_peak(kind, one_thread):
