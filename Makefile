@@ -1,8 +1,8 @@
-# The two commands of the README. Both install into the active Python environment.
+# The commands of the README. install/demo/test/bench install into the active Python environment.
 PYTHON ?= python
 NPROC ?= 4
 
-.PHONY: install demo test bench
+.PHONY: install demo test test-compat bench gpu-check
 
 install:
 	$(PYTHON) -m pip install -e ".[test]"
@@ -15,3 +15,14 @@ test: install
 
 bench: install
 	$(PYTHON) benchmarks/compile_overhead.py
+
+# The compatibility subset on another torch, in a cached venv (.ci/compat): make test-compat TORCH=2.11.0
+TORCH ?= 2.15.0
+test-compat:
+	.ci/compat $(TORCH)
+
+# The CUDA paths on this machine's GPU, offline: no build isolation, no dependency downloads.
+GPU_CHECK_OUT ?= gpu-check
+gpu-check:
+	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PYTHON) -m loong_compile.gpu_check --out $(GPU_CHECK_OUT)

@@ -118,6 +118,8 @@ class _GraphCompile:
         self.on_report = backend.on_report
         self.state: dict[str, Any] = {}
         self.report.skipped.extend(dict(s) for s in backend.skipped)
+        self.report.skipped += [{"name": c.name, "stage": "torch", "reason": c.without}
+                                for c in _compat.degraded()]
         self.active = {stage: [p for p in backend.schedule if p.stage == stage] for stage in STAGES}
 
     # -- running passes -------------------------------------------------------

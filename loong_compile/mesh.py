@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from loong_compile import rank_check
+from loong_compile import _compat, rank_check
 from loong_compile.errors import LoongMeshError
 
 log = logging.getLogger(__name__)
@@ -287,7 +287,14 @@ def _new_groups(rank_lists: list[list[int]], rank: int, desc: str) -> str:
     for ranks in rank_lists:
         if len(ranks) == 1:
             continue
-        group = dist.new_group(ranks, sort_ranks=False, group_desc=desc)
+        if ranks != sorted(ranks) and not _compat.has("unsorted_process_groups"):
+            raise LoongMeshError(
+                f"{desc}: the ring order {ranks}",
+                f"torch {torch.__version__} builds process groups in sorted rank order only "
+                "(capability unsorted_process_groups, torch >= 2.12), and this ring is not "
+                "in ascending order", "use placement='head_first' and inner_ring=1, or "
+                "torch >= 2.12")
+        group = _compat.new_group_in_order(ranks, desc)
         if rank in ranks:
             mine = group.group_name
             if dist.get_process_group_ranks(group) != ranks:

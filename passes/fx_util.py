@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
 from loong_compile import _compat
@@ -109,9 +108,9 @@ def nbytes(node: torch.fx.Node) -> int:
     if not isinstance(val, torch.Tensor):
         return 0
     try:
-        return optimization_hint(val.untyped_storage().nbytes())
+        return _compat.size_hint(val.untyped_storage().nbytes())
     except (NotImplementedError, RuntimeError):
-        return optimization_hint(val.numel()) * val.element_size()
+        return _compat.size_hint(val.numel()) * val.element_size()
 
 
 def node_flops(node: torch.fx.Node) -> int:

@@ -61,6 +61,7 @@ def test_same_losses_and_gradients_as_none(model_name, policy, alpha):
     assert all(row["device_bytes"] == 0 and row["offloaded_bytes"] > 0 for row in offload["layers"])
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 def test_memo_through_inductor(tmp_path):
     """One configuration lowered by Inductor (dump_dir: no cache hit, so the passes run)."""
@@ -94,6 +95,7 @@ def skeletal_bytes(b=BATCH, s=SEQ, d=DIM, h=HEADS, h_kv=KV_HEADS, f=FFN, e=4, la
             "other": others}
 
 
+@pytest.mark.compat
 def test_report_bytes_match_the_formulas():
     _, _, report = reference("example")
     rows = report.summary("activations")["layers"]
@@ -131,6 +133,7 @@ def test_hf_layers_and_categories():
         assert {c: row[c]["bytes"] for c in want} == want   # the same skeleton as ours
 
 
+@pytest.mark.compat
 def test_sc_plus_plus_keeps_inputs_and_attention_only():
     """LoongTrain §5.2: per layer, the input and the attention's out + lse (2SD + 4SH)."""
     _, _, report = run_step("example", {"activations": "sc++"})

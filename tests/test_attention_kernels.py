@@ -18,6 +18,8 @@ from loong_compile.ops.kernels import (
     kernel_name,
 )
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (.ci/compat)
+
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 

@@ -15,6 +15,8 @@ import loong_compile as lc
 from loong_compile import LoongBackend, LoongConfigError
 from loong_compile.passes.base import SplitGraphs
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (.ci/compat)
+
 
 class ReluToAbs:
     """Stage dynamo: replace relu by abs, an observable change of the numbers."""

@@ -18,6 +18,7 @@ def _loss_and_grads(model, backend, ids, options=None):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 @pytest.mark.parametrize("make_model", [example_llama, hf_llama], ids=["example", "hf"])
 def test_loong_equals_inductor(make_model):

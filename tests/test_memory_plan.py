@@ -61,6 +61,7 @@ def run_pass(request, time_limit=2.0):
     return MemoryPlanPass().run(request, ctx)
 
 
+@pytest.mark.compat
 def test_pass_places_every_buffer_and_reports_the_peaks():
     request = make_request()
     summary = run_pass(request)
@@ -239,6 +240,7 @@ def test_second_compile_of_the_same_graph_still_plans_and_reports(one_thread):
     assert summaries == [{"forward", "backward"}] * 2
 
 
+@pytest.mark.compat
 def test_plain_inductor_through_the_config_patches(one_thread):
     torch.manual_seed(0)
     planned = nn.Sequential(nn.Linear(32, 96), nn.ReLU(), nn.Linear(96, 96), nn.ReLU(),
@@ -286,6 +288,7 @@ def distributed_worker(rank: int, world: int) -> dict:
     return results
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 def test_four_ranks_hp2_cp2_bit_identical_with_the_plan(monkeypatch):
     # One Inductor compile worker per rank: four ranks on a small machine would

@@ -1,0 +1,85 @@
+"""The torch capabilities of loong_compile/_compat.py: present exactly where documented,
+the memory-plan hook installed wherever they say it should be, degradations reported."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import loong_compile as lc
+from loong_compile import _compat
+from loong_compile._inductor_pool_planner import install_pool_planning
+from loong_compile.errors import LoongUnsupportedError
+
+pytestmark = pytest.mark.compat
+
+
+@pytest.mark.parametrize("name", sorted(_compat.CAPABILITIES))
+def test_capability_is_present_exactly_on_the_documented_versions(name):
+    capability = _compat.CAPABILITIES[name]
+    assert capability.available == capability.expected(), (
+        f"torch {torch.__version__}: {name} available={capability.available}, but "
+        f"docs/compat.md and _compat say torch {capability.versions} has it")
+
+
+def test_documented_ranges_tell_versions_apart():
+    inference_aware = _compat.CAPABILITIES["inference_aware_post_grad_pass"]
+    assert not inference_aware.expected("2.11.0")
+    assert inference_aware.expected("2.12.0") and inference_aware.expected("2.15.0+cu130")
+
+
+def test_memory_plan_hook_installs_wherever_the_capability_says():
+    requests = []
+
+    def planner(request):
+        requests.append(request)     # declining: Inductor's default allocation
+
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patches = _compat.pool_planning_patches(planner, "test-hook-installs")
+    compiled = torch.compile(model, backend="inductor",
+                             options={**patches, "fx_graph_cache": False})
+    compiled(x).sum().backward()
+    if _compat.has("inductor_pool_planning"):
+        assert {r.graph_kind for r in requests} == {"forward", "backward"}, (
+            "the memory-plan hook did not run although this torch has inductor_pool_planning")
+    else:
+        assert not requests and any("inductor_pool_planning" in str(w.message) for w in caught)
+
+
+def test_a_wrapper_the_hook_cannot_replace_is_refused():
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    class OtherWrapper(PythonWrapperCodegen):
+        def memory_plan(self):  # a wrapper with its own planner (like the C++ wrappers)
+            pass
+
+    wrapper = OtherWrapper.__new__(OtherWrapper)
+    with pytest.raises(LoongUnsupportedError, match="OtherWrapper"):
+        install_pool_planning(wrapper, lambda request: None)
+
+
+def test_a_degraded_capability_warns_with_its_name_and_consequence():
+    _compat.warn_degraded.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="inductor_pool_planning.*memory_plan=True is off"):
+            _compat.warn_degraded("inductor_pool_planning")
+    finally:
+        _compat.warn_degraded.cache_clear()
+
+
+def test_compile_report_lists_the_degraded_capabilities(monkeypatch):
+    missing = _compat.CAPABILITIES["inference_aware_post_grad_pass"]
+    monkeypatch.setattr(_compat, "degraded", lambda: [missing])
+    graphs = lc.explain(nn.Linear(4, 4), torch.randn(2, 4)).graphs
+    assert {"name": missing.name, "stage": "torch", "reason": missing.without} in graphs[0].skipped
+
+
+def test_names_other_modules_import_from_compat_are_still_there():
+    for name in ("PoolBuffer", "PoolRequest", "pool_planning_patches", "PoolPlanningHook",
+                 "generated_code", "measure_peak_bytes", "LoongPartitioner", "LoongPostGrad",
+                 "resolve_process_group", "compile_fx", "aot_autograd"):
+        assert hasattr(_compat, name), name
