@@ -8,13 +8,16 @@ never by comparing version numbers elsewhere.  A missing capability is reported:
 compile report lists it.  Inductor's memory-pool planning, the largest private
 surface, lives in ``_inductor_pools`` and ``_inductor_pool_planner``; its public
 names are re-exported at the end of this module.
+
+Longer than most modules (~440 lines) on purpose: one file to read when torch changes.
+The capability table and the thin shims are all it holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 

@@ -30,12 +30,10 @@ reports:  the local token count, the token inputs found, the nodes checked, the 
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 
 from loong_compile.errors import LoongTokenMixingError
 from loong_compile.ops import attention_2d
@@ -43,27 +41,10 @@ from loong_compile.passes.attention_2d import ATTENTION_SITES
 from loong_compile.passes.base import PassContext
 from loong_compile.passes.fx_util import module_path, source_line
 from loong_compile.passes.subgraphs import graph_scopes, hop_name
-
-ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "diff", "roll", "flip",
-              "sort", "argsort", "topk", "kthvalue", "index_select", "gather", "take_along_dim",
-              "unfold", "narrow", "split", "chunk", "tensor_split", "unbind", "select", "flatten"}
-REDUCTIONS = {"mean", "nanmean", "amax", "amin", "max", "min", "logsumexp", "softmax",
-              "log_softmax", "var", "std", "norm", "prod", "median", "argmax", "argmin", "any",
-              "all", "nansum"}
-LINEAR = {"add", "sub", "neg", "mul", "truediv", "div", "float", "double", "to", "type",
-          "view", "reshape", "contiguous", "clone", "detach", "getitem", "squeeze", "unsqueeze",
-          "iadd", "isub", "imul", "itruediv"}
-MATMULS = {"matmul", "bmm", "einsum", "baddbmm", "mm"}
-POSITIONS = {"arange", "range", "linspace"}
-LOSSES = {"cross_entropy", "nll_loss"}
-CONVS = {"conv1d", "conv2d", "conv3d", "conv_transpose1d"}
-# attention Dynamo keeps as one call (nn.MultiheadAttention) or that the rewrite left alone
-UNREWRITTEN_ATTENTION = {"multi_head_attention_forward", "native_multi_head_attention",
-                         "scaled_dot_product_attention", "scaled_dot_product_flash_attention",
-                         "scaled_dot_product_efficient_attention",
-                         "scaled_dot_product_attention_math", "flash_attn_func"}
-ALLOWED_HOPS = {"tag_activation_checkpoint", "wrap", "autograd_function_apply"}
-
+from loong_compile.passes.token_ops import (
+    ALLOWED_HOPS, ALONG_AXIS, CONVS, LINEAR, LOSSES, MATMULS, POSITIONS, REDUCTIONS,
+    UNREWRITTEN_ATTENTION, counts_tokens, custom_op, example_value, from_input, full_slice,
+    is_weight, node_arg, only_returned, op_name, reduced_dims)
 
 class TokenLocalityPass:
     name = "token_locality"
@@ -83,7 +64,7 @@ class TokenLocalityPass:
         analysis = _Analysis(tokens, set(ctx.config.token_local_ops))
         for scope in graph_scopes(gm):
             analysis.scan(scope)
-        local_outputs = [f for f in analysis.findings if _only_returned(f[0], gm.graph)]
+        local_outputs = [f for f in analysis.findings if only_returned(f[0], gm.graph)]
         # the most telling first: unrewritten attention explains the masks and positions around it
         findings = sorted((f for f in analysis.findings if f not in local_outputs),
                           key=lambda f: f[1].startswith(tuple(POSITIONS)))
@@ -118,10 +99,10 @@ def local_token_count(gm: torch.fx.GraphModule) -> int | None:
     non-parameter input (``(B, T)`` ids or ``(B, T, D)`` states), else None."""
     for node in gm.graph.nodes:
         if node.target is attention_2d:
-            return _value(node.args[0]).shape[-2]
+            return example_value(node.args[0]).shape[-2]
     for node in gm.graph.find_nodes(op="placeholder"):
-        value = _value(node)
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and not _is_weight(node):
+        value = example_value(node)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and not is_weight(node):
             return value.shape[1]
     return None
 
@@ -141,7 +122,7 @@ class _Analysis:
             if node.op == "placeholder":
                 outer = scope.operands.get(node)
                 token = outer in self.tainted if scope.operands else (
-                    not _is_weight(node) and bool(self.axes(node)))
+                    not is_weight(node) and bool(self.axes(node)))
                 if token:
                     self.tainted.add(node)
                     if scope.hop is None:
@@ -150,7 +131,7 @@ class _Analysis:
             if node.op not in ("call_function", "call_method"):
                 continue
             inputs = [a for a in node.all_input_nodes if a in self.tainted]
-            name = _op_name(node)
+            name = op_name(node)
             if name in POSITIONS and self.axes(node):
                 self.refuse(node, f"{name} of length {self.tokens} makes positions (or a mask) "
                             "from the local length: the model numbered this rank's tokens itself",
@@ -180,27 +161,27 @@ class _Analysis:
             self.refuse(node, f"{hop} is not rewritten into 2D-Attention",
                         "use F.scaled_dot_product_attention (attn_implementation='sdpa'), or "
                         "run with hp=cp=1")
-        elif _custom_op(node.target) and _custom_op(node.target) not in self.token_local_ops:
-            op = _custom_op(node.target)
+        elif custom_op(node.target) and custom_op(node.target) not in self.token_local_ops:
+            op = custom_op(node.target)
             self.refuse(node, f"custom op {op} reads token data and the analysis cannot see "
                         "inside it", f"if {op} computes every token on its own, pass "
                         f"token_local_ops=[{op!r}] in options; otherwise run with hp=cp=1")
         elif name in MATMULS and len(inputs) >= 2 and len(self.axes(node, trailing=True)) >= 2:
             self.refuse(node, f"{name} of two token tensors gives a token x token product "
-                        f"{tuple(_value(node).shape)}: attention the backend did not rewrite "
+                        f"{tuple(example_value(node).shape)}: attention the backend did not rewrite "
                         "(e.g. attn_implementation='eager')",
                         "use attn_implementation='sdpa' (F.scaled_dot_product_attention), which "
                         "becomes 2D-Attention, or run with hp=cp=1")
         elif name in CONVS and self.axes(source, trailing=True):
             self.refuse(node, f"{name} slides over the token axis", "run with hp=cp=1")
         elif name in LOSSES:
-            reduction = _arg(node, "reduction", None, "mean")
+            reduction = node_arg(node, "reduction", None, "mean")
             if reduction == "mean":
                 self.refuse(node, f"{name}(reduction='mean') averages over this rank's tokens, "
                             "not over the batch", _SUM_FIX)
             elif reduction == "sum":
                 self.partial.add(node)
-        elif name == "getitem" and isinstance(_value(source), torch.Tensor):
+        elif name == "getitem" and isinstance(example_value(source), torch.Tensor):
             self.check_index(node, source)
         elif name == "pad":
             self.check_pad(node, source)
@@ -213,8 +194,8 @@ class _Analysis:
         axes = self.axes(source)
         if not axes:
             return
-        value = _value(source)
-        dims = _dims(node, value.dim(), name)
+        value = example_value(source)
+        dims = reduced_dims(node, value.dim(), name)
         hit = axes if dims is None else [d for d in dims if d in axes]
         if not hit:
             return
@@ -230,7 +211,7 @@ class _Analysis:
                         f"{tuple(value.shape)} mixes or moves tokens", _GATHER_FIX)
 
     def check_index(self, node, source) -> None:
-        value, axes = _value(source), self.axes(source)
+        value, axes = example_value(source), self.axes(source)
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
         if Ellipsis in index:
             at = index.index(Ellipsis)
@@ -240,15 +221,15 @@ class _Analysis:
         for item in index:
             if item is None:
                 continue
-            if axis in axes and not _full_slice(item, value.shape[axis]):
+            if axis in axes and not full_slice(item, value.shape[axis]):
                 self.refuse(node, f"indexing {item!r} on the token axis {axis} of "
                             f"{tuple(value.shape)} selects or shifts tokens{_labels_hint(source)}",
                             _labels_fix(source))
             axis += 1
 
     def check_pad(self, node, source) -> None:
-        value, axes = _value(source), self.axes(source, trailing=True)
-        pad = _arg(node, "pad", 1, ())
+        value, axes = example_value(source), self.axes(source, trailing=True)
+        pad = node_arg(node, "pad", 1, ())
         padded = [value.dim() - 1 - i // 2 for i, p in enumerate(pad) if p]
         hit = [a for a in padded if a in axes]
         if hit:
@@ -257,11 +238,11 @@ class _Analysis:
 
     def check_cat(self, node) -> None:
         parts = node.args[0] if node.args else node.kwargs.get("tensors", ())
-        values = [_value(p) for p in parts]
+        values = [example_value(p) for p in parts]
         nonempty = [v for v in values if isinstance(v, torch.Tensor)
                     and not (isinstance(v.numel(), int) and v.numel() == 0)]
-        dim = _arg(node, "dim", 1, 0)
-        out = _value(node)
+        dim = node_arg(node, "dim", 1, 0)
+        out = example_value(node)
         if len(nonempty) > 1 and isinstance(out, torch.Tensor):
             dim %= out.dim()
             if any(isinstance(v, torch.Tensor) and dim in self.axes_of(v) for v in nonempty):
@@ -282,7 +263,7 @@ class _Analysis:
                         "only the sum over all ranks' tokens is the one-process value", _SUM_FIX)
 
     def axes(self, node: Any, trailing: bool = False) -> list[int]:
-        value = _value(node)
+        value = example_value(node)
         return self.axes_of(value, trailing) if isinstance(value, torch.Tensor) else []
 
     def axes_of(self, value: torch.Tensor, trailing: bool = False) -> list[int]:
@@ -291,7 +272,7 @@ class _Analysis:
         n = value.dim()
         skip = not trailing and n >= 2 and (value.is_floating_point() or n >= 3)
         return [i for i, size in enumerate(value.shape)
-                if _counts_tokens(size, self.tokens) and not (skip and i == n - 1)]
+                if counts_tokens(size, self.tokens) and not (skip and i == n - 1)]
 
     def refuse(self, node, reason: str, fix: str) -> None:
         self.findings.append((node, reason, fix))
@@ -304,129 +285,38 @@ _GATHER_FIX = ("compute this outside the compiled model on gathered tokens "
                "(loong_compile.gather_sequence), or run with hp=cp=1")
 
 
-def _counts_tokens(size: Any, tokens: Any) -> bool:
-    """Whether an axis of this size holds tokens: a multiple of the local count T.  With a dynamic
-    T (``mark_dynamic``) an axis holds tokens when its size is an expression in T's symbol;
-    comparing symbolic sizes numerically would add guards."""
-    if isinstance(tokens, torch.SymInt):
-        return isinstance(size, torch.SymInt) and bool(
-            tokens.node.expr.free_symbols & size.node.expr.free_symbols)
-    return isinstance(size, int) and size > 0 and size % tokens == 0
 
 
-def _only_returned(node: torch.fx.Node, top: torch.fx.Graph) -> bool:
-    """Whether a value reaches nothing but the top-level graph's outputs (through views)."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        for user in n.users:
-            if user.op == "output" and user.graph is not top:
-                return False  # a HOP body's result is used by its caller
-            if user.op == "output" or user in seen:
-                continue
-            if _op_name(user) not in ("getitem", "view", "contiguous", "reshape"):
-                return False
-            seen.add(user)
-            todo.append(user)
-    return True
 
 
 def _labels_hint(node: torch.fx.Node) -> str:
     return (" (transformers' loss shifts `labels` by one token; loong_compile.shard_batch already "
-            "shifted them over the full sequence)" if _from_input(node, "labels") else "")
+            "shifted them over the full sequence)" if from_input(node, "labels") else "")
 
 
 def _labels_fix(node: torch.fx.Node) -> str:
-    if _from_input(node, "labels"):
+    if from_input(node, "labels"):
         return ("pass shift_labels=batch.labels besides labels=batch.labels (transformers then "
                 "does not shift again) and num_items_in_batch=N, the number of label tokens "
                 "!= -100 in the full batch")
     return _GATHER_FIX
 
 
-def _from_input(node: torch.fx.Node, word: str) -> bool:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder" and word in n.name:
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
 
 
-def _full_slice(item: Any, size: int) -> bool:
-    if not isinstance(item, slice):
-        return False
-    start, stop, step = item.start, item.stop, item.step
-    return (start in (None, 0) and step in (None, 1)
-            and (stop is None or (isinstance(stop, int) and isinstance(size, int) and stop >= size)))
 
 
-def _dims(node: torch.fx.Node, ndim: int, name: str) -> list[int] | None:
-    """The axes a reduction / along-axis op works on (None: all of them)."""
-    if name in ("flatten",):
-        start = _arg(node, "start_dim", 1, 0) % ndim
-        end = _arg(node, "end_dim", 2, -1) % ndim
-        return list(range(start, end + 1))
-    position = 2 if name in ("roll", "narrow", "split", "chunk", "tensor_split", "topk",
-                             "kthvalue") else 1
-    if name in ("narrow", "select", "index_select", "gather", "take_along_dim", "unfold"):
-        position = 1
-    dim = _arg(node, "dims" if name in ("roll", "flip") else "dim", position, None)
-    if name == "diff" and dim is None:
-        dim = -1
-    if dim is None:
-        return None if name not in ("softmax", "log_softmax", "cumsum") else [ndim - 1]
-    dims = dim if isinstance(dim, (list, tuple)) else [dim]
-    return [d % ndim for d in dims if isinstance(d, int)]
 
 
-def _arg(node: torch.fx.Node, key: str, position: int | None, default: Any) -> Any:
-    if key in node.kwargs:
-        return node.kwargs[key]
-    if position is not None and len(node.args) > position:
-        return node.args[position]
-    return default
 
 
-def _op_name(node: torch.fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    target = node.target
-    if target in (operator.getitem,):
-        return "getitem"
-    if target is F.pad or getattr(target, "__name__", "") == "pad":
-        return "pad"
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return target.__name__.split(".")[0]
-    return getattr(target, "__name__", str(target)).lstrip("_")
 
 
-def _custom_op(target: Any) -> str | None:
-    """``namespace::name`` of a custom op (not aten/prims/loong), else None."""
-    if isinstance(target, torch._ops.OpOverload):
-        name = target._schema.name
-    elif isinstance(target, torch._ops.OpOverloadPacket):
-        name = target._qualified_op_name
-    else:
-        return None
-    return None if name.split("::")[0] in ("aten", "prims", "loong") else name
 
 
-def _is_weight(node: torch.fx.Node) -> bool:
-    grapharg = node.meta.get("grapharg")
-    source = getattr(getattr(grapharg, "source", None), "name", "")
-    source = source() if callable(source) else str(source)
-    return "_parameters" in source or "_buffers" in source or "parameters_" in node.name \
-        or "buffers_" in node.name
 
 
-def _value(node: Any) -> Any:
-    return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
 
 
 def _describe(node: torch.fx.Node) -> str:
-    return f"{node.name} ({_op_name(node)}) at {source_line(node)} (module {module_path(node)})"
+    return f"{node.name} ({op_name(node)}) at {source_line(node)} (module {module_path(node)})"

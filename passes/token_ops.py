@@ -1,0 +1,146 @@
+"""How the token analysis reads one FX node: its op, the axes it works on, its arguments.
+
+``passes/token_locality.py`` decides what mixes tokens; this module only answers questions
+about a node of a Dynamo graph (torch functions, tensor methods, custom ops and
+higher-order ops alike) without running it, and without guarding a dynamic length.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "diff", "roll", "flip",
+              "sort", "argsort", "topk", "kthvalue", "index_select", "gather", "take_along_dim",
+              "unfold", "narrow", "split", "chunk", "tensor_split", "unbind", "select", "flatten"}
+REDUCTIONS = {"mean", "nanmean", "amax", "amin", "max", "min", "logsumexp", "softmax",
+              "log_softmax", "var", "std", "norm", "prod", "median", "argmax", "argmin", "any",
+              "all", "nansum"}
+LINEAR = {"add", "sub", "neg", "mul", "truediv", "div", "float", "double", "to", "type",
+          "view", "reshape", "contiguous", "clone", "detach", "getitem", "squeeze", "unsqueeze",
+          "iadd", "isub", "imul", "itruediv"}
+MATMULS = {"matmul", "bmm", "einsum", "baddbmm", "mm"}
+POSITIONS = {"arange", "range", "linspace"}
+LOSSES = {"cross_entropy", "nll_loss"}
+CONVS = {"conv1d", "conv2d", "conv3d", "conv_transpose1d"}
+# attention Dynamo keeps as one call (nn.MultiheadAttention) or that the rewrite left alone
+UNREWRITTEN_ATTENTION = {"multi_head_attention_forward", "native_multi_head_attention",
+                         "scaled_dot_product_attention", "scaled_dot_product_flash_attention",
+                         "scaled_dot_product_efficient_attention",
+                         "scaled_dot_product_attention_math", "flash_attn_func"}
+ALLOWED_HOPS = {"tag_activation_checkpoint", "wrap", "autograd_function_apply"}
+
+
+def counts_tokens(size: Any, tokens: Any) -> bool:
+    """Whether an axis of this size holds tokens: a multiple of the local count T.  With a dynamic
+    T (``mark_dynamic``) an axis holds tokens when its size is an expression in T's symbol;
+    comparing symbolic sizes numerically would add guards."""
+    if isinstance(tokens, torch.SymInt):
+        return isinstance(size, torch.SymInt) and bool(
+            tokens.node.expr.free_symbols & size.node.expr.free_symbols)
+    return isinstance(size, int) and size > 0 and size % tokens == 0
+
+
+def only_returned(node: torch.fx.Node, top: torch.fx.Graph) -> bool:
+    """Whether a value reaches nothing but the top-level graph's outputs (through views)."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        for user in n.users:
+            if user.op == "output" and user.graph is not top:
+                return False  # a HOP body's result is used by its caller
+            if user.op == "output" or user in seen:
+                continue
+            if op_name(user) not in ("getitem", "view", "contiguous", "reshape"):
+                return False
+            seen.add(user)
+            todo.append(user)
+    return True
+
+
+def from_input(node: torch.fx.Node, word: str) -> bool:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and word in n.name:
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def full_slice(item: Any, size: int) -> bool:
+    if not isinstance(item, slice):
+        return False
+    start, stop, step = item.start, item.stop, item.step
+    return (start in (None, 0) and step in (None, 1)
+            and (stop is None or (isinstance(stop, int) and isinstance(size, int) and stop >= size)))
+
+
+def reduced_dims(node: torch.fx.Node, ndim: int, name: str) -> list[int] | None:
+    """The axes a reduction / along-axis op works on (None: all of them)."""
+    if name in ("flatten",):
+        start = node_arg(node, "start_dim", 1, 0) % ndim
+        end = node_arg(node, "end_dim", 2, -1) % ndim
+        return list(range(start, end + 1))
+    position = 2 if name in ("roll", "narrow", "split", "chunk", "tensor_split", "topk",
+                             "kthvalue") else 1
+    if name in ("narrow", "select", "index_select", "gather", "take_along_dim", "unfold"):
+        position = 1
+    dim = node_arg(node, "dims" if name in ("roll", "flip") else "dim", position, None)
+    if name == "diff" and dim is None:
+        dim = -1
+    if dim is None:
+        return None if name not in ("softmax", "log_softmax", "cumsum") else [ndim - 1]
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    return [d % ndim for d in dims if isinstance(d, int)]
+
+
+def node_arg(node: torch.fx.Node, key: str, position: int | None, default: Any) -> Any:
+    if key in node.kwargs:
+        return node.kwargs[key]
+    if position is not None and len(node.args) > position:
+        return node.args[position]
+    return default
+
+
+def op_name(node: torch.fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    target = node.target
+    if target in (operator.getitem,):
+        return "getitem"
+    if target is F.pad or getattr(target, "__name__", "") == "pad":
+        return "pad"
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return target.__name__.split(".")[0]
+    return getattr(target, "__name__", str(target)).lstrip("_")
+
+
+def custom_op(target: Any) -> str | None:
+    """``namespace::name`` of a custom op (not aten/prims/loong), else None."""
+    if isinstance(target, torch._ops.OpOverload):
+        name = target._schema.name
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        name = target._qualified_op_name
+    else:
+        return None
+    return None if name.split("::")[0] in ("aten", "prims", "loong") else name
+
+
+def is_weight(node: torch.fx.Node) -> bool:
+    grapharg = node.meta.get("grapharg")
+    source = getattr(getattr(grapharg, "source", None), "name", "")
+    source = source() if callable(source) else str(source)
+    return "_parameters" in source or "_buffers" in source or "parameters_" in node.name \
+        or "buffers_" in node.name
+
+
+def example_value(node: Any) -> Any:
+    return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
