@@ -108,6 +108,15 @@ CAPABILITIES: dict[str, Capability] = {c.name: c for c in [
         lambda: "sort_ranks" in inspect.signature(torch.distributed.new_group).parameters,
         degrades=False),
     Capability(
+        "dynamo_traces_is_exporting",
+        "Dynamo traces torch.compiler.is_exporting() as False under torch.compile "
+        "(pytorch#176499); transformers then lets SDPA's is_causal replace its causal mask",
+        ">=2.13",
+        "transformers builds a causal mask over each rank's tokens under torch.compile, and "
+        "the attention pass refuses it (masks: issue 13): Hugging Face models need torch >= "
+        "2.13 for hp*cp > 1; models that call SDPA with is_causal=True are unaffected",
+        lambda: _is_exporting_traced_false(), degrades=False),
+    Capability(
         "symbolic_optimization_hint",
         "torch.fx.experimental.symbolic_shapes.optimization_hint: a symbolic size's example "
         "value without adding a guard",
@@ -116,6 +125,13 @@ CAPABILITIES: dict[str, Capability] = {c.name: c for c in [
         _has_attr("torch.fx.experimental.symbolic_shapes", "optimization_hint"),
         degrades=False),
 ]}
+
+
+def _is_exporting_traced_false() -> bool:
+    def probe(x):
+        return x + (1 if torch.compiler.is_exporting() else 0)
+
+    return bool(torch.compile(probe, backend="eager", fullgraph=True)(torch.zeros(1)) == 0)
 
 
 def has(name: str) -> bool:

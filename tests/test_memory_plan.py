@@ -265,6 +265,10 @@ def test_plain_inductor_through_the_config_patches(one_thread):
 
 # -- 4 ranks -------------------------------------------------------------------
 
+# transformers builds a (refused) causal mask under torch.compile where Dynamo folds
+# torch.compiler.is_exporting() to True (torch 2.11): the HF model runs only where it does not
+MULTI_RANK_KINDS = ("llama", "hf") if _compat.has("dynamo_traces_is_exporting") else ("llama",)
+
 def distributed_worker(rank: int, world: int) -> dict:
     from loong_compile.data import shard_batch
 
@@ -272,7 +276,7 @@ def distributed_worker(rank: int, world: int) -> dict:
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
     shard = shard_batch(ids, ids, mesh)
     results = {}
-    for kind in ("llama", "hf"):
+    for kind in MULTI_RANK_KINDS:
         runs = {planned: train_steps(kind, {"hp": 2, "cp": 2, "memory_plan": planned},
                                      shard.input_ids, shard.position_ids, shard.labels,
                                      steps=1, n_layers=1)
