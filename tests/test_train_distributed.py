@@ -206,6 +206,7 @@ def test_four_ranks_selective_checkpoint_matches_one_process(four_ranks):
 @pytest.mark.slow
 @pytest.mark.parametrize("activations", ["none", "sc++"])
 @pytest.mark.parametrize("model", ["llama", "hf"])
+@pytest.mark.timeout(TIMEOUT)  # the fixture's one spawn of 8 compiling ranks
 def test_eight_ranks_every_configuration_matches_one_process(eight_ranks, model, activations):
     check(results_for(eight_ranks, activations, model))
 
