@@ -183,3 +183,17 @@ def section_results(per_rank: list[dict], name: Any) -> list[Any]:
         value = result[name]
         assert not (isinstance(value, tuple) and value[:1] == ("failed",)), f"rank {rank}: {value[1]}"
     return [result[name] for result in per_rank]
+
+
+def loong_error_in(exc: BaseException | None):
+    """The ``LoongError`` behind an exception (Dynamo wraps backend errors in
+    ``BackendCompilerFailed``), or None when there is none."""
+    from loong_compile.errors import LoongError
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, LoongError):
+            return exc
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from conftest import STAND_INS
+from helpers import loong_error_in
 from loong_compile.testing import run_distributed
 
 B, S, D, HEADS = 2, 32, 16, 4
@@ -103,7 +104,6 @@ def _on_ranks(rank, world, names):
 
     import loong_compile as lc
     from loong_compile.data import mesh_token_indices
-    from loong_compile.errors import LoongError
 
     sys.path.insert(0, str(STAND_INS))  # the flash-attn 2.8 stand-in, for this rank only
     mesh = lc.init_mesh(cp=world)
@@ -120,11 +120,10 @@ def _on_ranks(rank, world, names):
                     compiled(_inputs()[:, index].contiguous())
             loss, grads = _step(model, _inputs()[:, index].contiguous(), compiled)
         except Exception as exc:  # noqa: BLE001
-            while exc is not None and not isinstance(exc, LoongError):
-                exc = getattr(exc, "inner_exception", None) or exc.__cause__
-            if exc is None:
+            error = loong_error_in(exc)
+            if error is None:
                 raise
-            results[name] = ("refused", type(exc).__name__, str(exc))
+            results[name] = ("refused", type(error).__name__, str(error))
             continue
         dist.all_reduce(loss)
         for g in grads.values():

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from helpers import loong_error_in  # noqa: E402
 from hf_models import ARCHITECTURES, WINDOWED, build  # noqa: E402
 
 BATCH, SEQ = 2, 48
@@ -181,18 +182,6 @@ def _distributed_step(case: Case, hp: int, cp: int):
     return loss.item(), grads
 
 
-def _loong_error(exc: BaseException):
-    from loong_compile.errors import LoongError
-
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, LoongError):
-            return exc
-        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
-    return None
-
-
 def run_cases(rank: int, world: int, hp: int, cp: int, cases: list[Case]) -> dict:
     """On every rank: each case's outcome, ("ok", loss, grads) on rank 0 or ("refused", ...)."""
     outcomes = {}
@@ -205,7 +194,7 @@ def run_cases(rank: int, world: int, hp: int, cp: int, cases: list[Case]) -> dic
             outcomes[case] = ("ok", loss, {n: g.numpy() for n, g in grads.items()}) \
                 if rank == 0 else ("ok",)
         except Exception as exc:  # noqa: BLE001 - recorded and judged by the test
-            error = _loong_error(exc)
+            error = loong_error_in(exc)
             if error is not None:
                 outcomes[case] = ("refused", type(error).__name__, str(error))
             else:
