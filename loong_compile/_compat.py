@@ -9,7 +9,7 @@ compile report lists it.  Inductor's memory-pool planning, the largest private
 surface, lives in ``_inductor_pools`` and ``_inductor_pool_planner``; its public
 names are re-exported at the end of this module.
 
-Longer than most modules (~440 lines) on purpose: one file to read when torch changes.
+Longer than most modules (~480 lines) on purpose: one file to read when torch changes.
 The capability table and the thin shims are all it holds.
 """
 
@@ -112,9 +112,10 @@ CAPABILITIES: dict[str, Capability] = {c.name: c for c in [
         "Dynamo traces torch.compiler.is_exporting() as False under torch.compile "
         "(pytorch#176499); transformers then lets SDPA's is_causal replace its causal mask",
         ">=2.13",
-        "transformers builds a causal mask over each rank's tokens under torch.compile, and "
-        "the attention pass refuses it (masks: issue 13): Hugging Face models need torch >= "
-        "2.13 for hp*cp > 1; models that call SDPA with is_causal=True are unaffected",
+        "transformers builds a causal mask over each rank's tokens under torch.compile; the "
+        "attention pass runs it only if passes/mask_proof.py proves it, which is untested on "
+        "this torch: use torch >= 2.13 for Hugging Face models at hp*cp > 1; models that call "
+        "SDPA with is_causal=True are unaffected",
         lambda: _is_exporting_traced_false(), degrades=False),
     Capability(
         "symbolic_optimization_hint",
@@ -191,16 +192,18 @@ def dynamo_frame_self():
 # return the log-sum-exp that ring attention merges on.  Checked: torch 2.13
 # (the CPU kernel takes float64/float32/bfloat16 and fewer KV heads than Q heads).
 
-def sdpa_flash_cpu(q, k, v, is_causal: bool, scale: float):
-    """``(out, lse)`` of ``aten._scaled_dot_product_flash_attention_for_cpu`` (no dropout)."""
+def sdpa_flash_cpu(q, k, v, is_causal: bool, scale: float, attn_mask=None):
+    """``(out, lse)`` of ``aten._scaled_dot_product_flash_attention_for_cpu`` (no dropout);
+    ``attn_mask`` is additive, of q's dtype."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, is_causal, scale=scale)
+        q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
 
 
-def sdpa_flash_cpu_backward(dout, q, k, v, out, lse, is_causal: bool, scale: float):
+def sdpa_flash_cpu_backward(dout, q, k, v, out, lse, is_causal: bool, scale: float,
+                            attn_mask=None):
     """``(dq, dk, dv)`` of the CPU flash kernel, given the final ``out`` and ``lse``."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, is_causal, scale=scale)
+        dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
 
 
 def sdpa_flash_cuda(q, k, v, is_causal: bool, scale: float):
@@ -424,6 +427,25 @@ def generated_code(fn, *args, **kwargs):
     from torch._inductor.utils import run_and_get_code
 
     return run_and_get_code(fn, *args, **kwargs)
+
+
+def on_next_output_code(callback) -> None:
+    """Call ``callback(source)`` with the wrapper code of the next graph Inductor generates
+    in this compile, then restore Inductor's hook as it was.  Chains to a hook already set
+    (``run_and_get_code``'s), so both see the code.  Checked against torch 2.13:
+    ``GraphLowering.save_output_code`` is called once per generated graph (and on an FX graph
+    cache hit, with the cached code)."""
+    from torch._inductor.graph import GraphLowering
+
+    previous = GraphLowering.__dict__.get("save_output_code")
+
+    def save(code: str) -> None:
+        GraphLowering.save_output_code = previous
+        if previous is not None:
+            previous(code)
+        callback(code)
+
+    GraphLowering.save_output_code = save
 
 
 def measure_peak_bytes(fn):

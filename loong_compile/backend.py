@@ -17,6 +17,7 @@ torch config is changed by a compile.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -31,7 +32,7 @@ import torch.distributed as dist
 import torch.fx
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
-from loong_compile import _compat, input_checks, rank_check
+from loong_compile import _compat, input_checks, overlap, rank_check
 from loong_compile.config import LoongConfig
 from loong_compile.errors import LoongConfigError
 from loong_compile.inspect import Dumper, GraphReport, PassRecord
@@ -220,7 +221,7 @@ class _GraphCompile:
         if self.config.dump_dir or self.active["post_grad"] or self.active["inductor"]:
             # A cache hit skips the passes that run inside Inductor: the dump would miss stages
             # the user asked to see, and their reports (the memory plan's pools, bound and
-            # peaks) would be missing.
+            # peaks, the overlap read from the generated code) would be missing.
             patches["fx_graph_cache"] = False
         return patches
 
@@ -232,6 +233,16 @@ class _GraphCompile:
         is_backward = any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder"))
         kind = "inference" if is_inference else ("backward" if is_backward else "forward")
         self.run_stage("post_grad", graph, kind)
+        _compat.on_next_output_code(functools.partial(self._record_overlap, kind))
+
+    def _record_overlap(self, graph_kind: str, code: str) -> None:
+        """What Inductor generated for this graph: each async start and the compute kernels
+        scheduled before its wait (``loong_compile.overlap``)."""
+        spans = overlap.overlap_of(code)
+        self.report.passes.append(PassRecord("overlap", "inductor", graph_kind, 0.0, {
+            "matched": len(spans), "changed": 0, "kinds": overlap.summary(spans),
+            "spans": [dataclasses.asdict(s) for s in spans]}))
+        self._publish()
 
     def _cache_key(self) -> str:
         """Inductor's caches must see everything our hooks' output depends on: the options,

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from loong_compile.errors import LoongConfigError, LoongError
+from loong_compile.layout import ACTIVATION_POLICIES, ESTIMATED_POLICIES, PLACEMENTS
 
 _SUFFIX = {"": 1, "k": 1024, "m": 1024 ** 2}
 _PLAN_WIDTH = 156   # the ranked table's natural width; narrower consoles would truncate its cells
@@ -86,6 +87,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fragmentation", type=_number(0), help="overhead: fraction of the estimate")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="PATH", help="write a chart (PNG, SVG, PDF) here")
+    parser.add_argument("--window", type=_positive_int,
+                        help="sliding window in tokens on every layer (replaces the model's)")
+    parser.add_argument("--doc-length", type=_positive_int, default=0,
+                        help="mean length of the packed documents (default: one per sequence)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--inner-ring", type=_positive_int, default=1)
     est.add_argument("--stage", type=int, default=0, help="pipeline stage (0 = first, the paper's)")
     est.add_argument("--zero", type=_zero_stage, default=1)
-    est.add_argument("--activations", choices=("none", "full", "sc++", "memo"), default="none")
+    est.add_argument("--activations", choices=ESTIMATED_POLICIES, default="none")
     est.add_argument("--alpha", type=_number(0, 1), default=1.0, help="memo: offloaded token fraction")
     est.add_argument("--exact", action="store_true", help="count lse and RMSNorm statistics too")
     est.add_argument("--double-ring-buffers", action="store_true", help="count the Double-Ring KV buffers")
@@ -109,14 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     pln = commands.add_parser("plan", help="rank the configurations that fit")
     _add_common(pln)
     pln.add_argument("--gpus", type=_positive_int, required=True, help="total GPUs")
-    pln.add_argument("--activations", type=_choice_list(("none", "sc++", "memo")),
-                     default=("none", "sc++", "memo"), help="policies to try (comma-separated)")
+    pln.add_argument("--activations", type=_choice_list(ACTIVATION_POLICIES),
+                     default=ACTIVATION_POLICIES, help="policies to try (comma-separated)")
     pln.add_argument("--alphas", type=_list_of(_number(0, 1)), default=(0.0, 0.5, 1.0),
                      help="memo alphas to try (comma-separated)")
     pln.add_argument("--zero", type=_list_of(_zero_stage), default=(0, 1, 2, 3),
                      help="ZeRO stages to try over dp*cp*hp (default: all; FSDP2 runs 2 and 3)")
-    pln.add_argument("--placements", type=_choice_list(("head_first", "context_first")),
-                     default=("head_first", "context_first"))
+    pln.add_argument("--placements", type=_choice_list(PLACEMENTS), default=PLACEMENTS)
     pln.add_argument("--paper-terms", action="store_true",
                      help="the 4D paper's terms only (no lse / norm statistics / ring buffers / overheads)")
     pln.add_argument("--top", type=_positive_int, default=10, help="rows to show")
@@ -152,11 +156,26 @@ def _memory_options(args, activations="none", alpha=1.0, zero=1, plan_defaults=F
                          recompute_working_set=not args.no_working_set, **common)
 
 
+def _masked_model(model, args, console):
+    """The model with ``--window`` on every layer; says what the masks are assumed to be
+    (memory is unchanged by them: the masks' ids are a few integers per token)."""
+    import dataclasses
+
+    from loong_compile.estimate.masking import describe
+
+    if args.window:
+        model = dataclasses.replace(model, sliding_window=args.window, local_layers=model.layers)
+    if (args.window or args.doc_length) and not args.json:
+        console.print(describe(args.window, args.doc_length, args.seq, getattr(args, "cp", None))
+                      + "; memory unchanged")
+    return model
+
+
 def run_estimate(args, console) -> int:
     from loong_compile.estimate.memory import ParallelConfig, estimate_memory
     from loong_compile.estimate.models import load_model
 
-    model = load_model(args.model)
+    model = _masked_model(load_model(args.model), args, console)
     hardware = _hardware(args, required=False)
     capacity = args.capacity_gib if args.capacity_gib is not None else (hardware and hardware.memory_gib)
     if capacity is None:
@@ -174,7 +193,8 @@ def run_estimate(args, console) -> int:
                                    "give --gpus or --dp, not both, or make them agree")
         dp = args.gpus // product
     config = ParallelConfig(seq=args.seq, dp=dp or 1, tp=args.tp, pp=args.pp, cp=args.cp, hp=args.hp,
-                            micro_batch=args.micro_batch, inner_ring=args.inner_ring, stage=args.stage)
+                            micro_batch=args.micro_batch, inner_ring=args.inner_ring, stage=args.stage,
+                            doc_length=args.doc_length)
     options = _memory_options(args, args.activations, args.alpha, args.zero)
     result = estimate_memory(model, config, options, capacity)
     title = (f"{model.name}, seq {config.seq}, {config.gpus} GPUs (dp={config.dp} tp={config.tp} "
@@ -218,14 +238,15 @@ def run_plan(args, console) -> int:
     from loong_compile.estimate.search import plan
     from loong_compile.estimate.validation import published_reference
 
-    model = load_model(args.model)
+    model = _masked_model(load_model(args.model), args, console)
     hardware = _hardware(args, required=True)
     if args.capacity_gib is not None:
         import dataclasses
         hardware = dataclasses.replace(hardware, memory_gib=args.capacity_gib)
     result = plan(model, args.seq, args.gpus, hardware, policies=args.activations, alphas=args.alphas,
                   zero_stages=args.zero, micro_batch=args.micro_batch, placements=args.placements,
-                  memory_options=_memory_options(args, plan_defaults=True))
+                  memory_options=_memory_options(args, plan_defaults=True),
+                  doc_length=args.doc_length)
     if args.plot:
         from loong_compile.estimate.plot import plot_plan
         plot_plan(result, args.plot, args.top)

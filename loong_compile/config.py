@@ -1,8 +1,9 @@
 """LoongConfig: the backend's options, from ``options=`` and ``LOONG_*`` variables.
 
 Environment variables give defaults (``LOONG_HP=2``); explicit ``options``
-override them.  Every key is validated here, once, so passes and ops can trust
-the values they read.
+override them.  Every key is validated here, once, and so is the one rule
+between keys (the inner ring divides cp, ``loong_compile.layout``), so passes
+and ops can trust the values they read.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from loong_compile.errors import LoongConfigError
+from loong_compile.layout import (
+    ACTIVATION_POLICIES, PLACEMENTS, ActivationPolicy, Placement, inner_ring_violation,
+)
 
-PLACEMENTS = ("head_first", "context_first")
-ACTIVATION_POLICIES = ("none", "sc++", "memo")
 LOWERINGS = ("inductor", "aot_eager", "eager")
 ENV_PREFIX = "LOONG_"
 
@@ -25,10 +27,12 @@ class LoongConfig:
     """Options of ``torch.compile(model, backend="loong", options=...)``.
 
     hp, cp: head-parallel and context-parallel degrees (sp = hp * cp ranks share a sequence).
-    placement: ``head_first`` keeps an HP group on consecutive ranks, ``context_first`` a CP group.
+    placement: ``head_first`` keeps an HP group on consecutive ranks, ``context_first`` a CP group
+        (``layout.PLACEMENT_DOCS``).
     inner_ring: ranks per inner ring of the Double-Ring (must divide cp).
     activations: ``none`` (Inductor's partition), ``sc++`` (save layer inputs and attention
-        outputs, recompute the rest), ``memo`` (offload + token-slice recompute).
+        outputs, recompute the rest), ``memo`` (offload + token-slice recompute)
+        (``layout.ACTIVATION_POLICY_DOCS``).
     alpha: fraction of "other" activations' tokens offloaded under ``memo``; ``"auto"`` solves MEMO's LP.
     host_bandwidth: host<->device copy bandwidth in bytes/s (MEMO's B); ``"auto"`` measures it.
     host_memory: host bytes this rank may fill with offloaded activations (MEMO's M_CPU);
@@ -54,9 +58,9 @@ class LoongConfig:
 
     hp: int = 1
     cp: int = 1
-    placement: str = "head_first"
+    placement: Placement = "head_first"
     inner_ring: int = 1
-    activations: str = "none"
+    activations: ActivationPolicy = "none"
     alpha: float | str = "auto"
     host_bandwidth: float | str = "auto"
     host_memory: float | str = "auto"
@@ -74,6 +78,11 @@ class LoongConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check(f.name, getattr(self, f.name))
+        # the one rule between fields (sizes that need a world, a batch or a model are checked
+        # where those are known: mesh.py, data.py, ops/attention.py)
+        violation = inner_ring_violation(self.cp, self.inner_ring)
+        if violation:
+            raise LoongConfigError(*violation)
 
     @property
     def sp(self) -> int:

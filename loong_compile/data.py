@@ -28,39 +28,35 @@ import torch
 import torch.distributed as dist
 
 from loong_compile.errors import LoongShapeError
+from loong_compile.layout import sequence_divisor, sequence_violation  # noqa: F401 (re-exported)
 
 IGNORE_INDEX = -100
 
 
-def sequence_divisor(cp: int, hp: int) -> int:
-    """What the full sequence length must divide by: ``2·cp·hp`` (``hp`` when ``cp = 1``)."""
-    return 2 * cp * hp if cp > 1 else hp
-
-
 def check_sequence_length(seq_len: int, cp: int, hp: int) -> None:
-    """Raise ``LoongShapeError`` unless the layout can split ``seq_len`` tokens."""
-    divisor = sequence_divisor(cp, hp)
-    if seq_len % divisor:
-        rule = (f"the sequence length must be a multiple of 2*cp*hp = {divisor} (zigzag over "
-                f"2*cp chunks, each CP shard split over hp ranks)" if cp > 1 else
-                f"the sequence length must be a multiple of hp = {divisor}")
-        raise LoongShapeError(f"sequence length {seq_len} with cp={cp}, hp={hp}", rule,
-                              f"pad or trim the sequence to a multiple of {divisor}, e.g. "
-                              f"{-(-seq_len // divisor) * divisor}")
+    """Raise ``LoongShapeError`` unless the layout can split ``seq_len`` tokens
+    (``layout.sequence_divisor``)."""
+    violation = sequence_violation(seq_len, cp, hp)
+    if violation:
+        raise LoongShapeError(*violation)
 
 
 def local_token_indices(seq_len: int, cp: int, hp: int, cp_rank: int, hp_rank: int) -> torch.Tensor:
     """Global positions (int64, in local order) of the tokens held at ``(cp_rank, hp_rank)``."""
     check_sequence_length(seq_len, cp, hp)
-    if cp > 1:
-        chunk = seq_len // (2 * cp)
-        first, second = cp_rank, 2 * cp - 1 - cp_rank
-        shard = torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
-                           torch.arange(second * chunk, (second + 1) * chunk)])
-    else:
-        shard = torch.arange(seq_len)
+    shard = torch.cat([torch.arange(start, start + length)
+                       for start, length in shard_chunks(seq_len, cp, cp_rank)])
     piece = seq_len // (cp * hp)
     return shard[hp_rank * piece:(hp_rank + 1) * piece]
+
+
+def shard_chunks(seq_len: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
+    """The CP shard of ``cp_rank`` as ``(first global position, length)`` pieces in local order:
+    chunks ``cp_rank`` and ``2·cp-1-cp_rank`` (the whole sequence when ``cp = 1``)."""
+    if cp == 1:
+        return [(0, seq_len)]
+    chunk = seq_len // (2 * cp)
+    return [(cp_rank * chunk, chunk), ((2 * cp - 1 - cp_rank) * chunk, chunk)]
 
 
 def mesh_token_indices(seq_len: int, mesh, rank: int | None = None) -> torch.Tensor:
@@ -76,14 +72,18 @@ def layout_positions(local_len: int, mesh, rank: int | None = None) -> torch.Ten
 
 
 class ShardedBatch(NamedTuple):
-    """This rank's tokens: ``(B, S/sp)`` input ids, global position ids and shifted labels."""
+    """This rank's tokens: ``(B, S/sp)`` input ids, position ids, shifted labels and, when one
+    was given, the key-padding ``attention_mask``."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     labels: torch.Tensor | None
+    attention_mask: torch.Tensor | None = None
 
 
-def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, mesh) -> ShardedBatch:
+def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, mesh, *,
+                document_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> ShardedBatch:
     """Select this rank's tokens of a full ``(B, S)`` batch (identical on all ranks of an SP group).
 
     ``labels`` (e.g. a copy of ``input_ids``) are shifted on the full sequence
@@ -93,26 +93,91 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, mesh) -> S
     over the SP group equal the one-process loss.  For ``dp > 1`` pass each
     data-parallel replica its own batch.  Every output is a new contiguous tensor, so all
     ranks pass Dynamo inputs of one layout (and compile one graph).
+
+    Packed documents, given by one of
+    ``document_ids``: ``(B, S)`` integers, a document being a run of equal ids; or
+    ``cu_seqlens``: 1-D cumulative document lengths ``[0, l1, l1+l2, ..., end]``
+    (flash-attn's varlen convention) with ``end = S`` (the same documents in every
+    row) or ``end = B·S`` (the rows flattened, each row end a boundary);
+    make the position ids restart at 0 per document (transformers' packed
+    convention, from which ``sequence_document_ids`` recovers the documents).
+    Labels are shifted as without documents: put ``-100`` where documents meet
+    (as ``DataCollatorWithFlattening`` does) to not predict across them.
+    ``attention_mask``: ``(B, S)``, nonzero = real token, sharded like the input ids.
     """
     if input_ids.dim() != 2:
         raise LoongShapeError(f"input_ids of shape {tuple(input_ids.shape)}",
                               "input_ids is a (batch, sequence) tensor", "pass a 2-D tensor")
-    if labels is not None and labels.shape != input_ids.shape:
-        raise LoongShapeError(f"labels of shape {tuple(labels.shape)} for input_ids of shape "
-                              f"{tuple(input_ids.shape)}",
-                              "labels and input_ids have the same shape",
-                              "pass unshifted labels of the full sequence "
-                              "(shard_batch shifts them)")
+    _check_same_shape("labels", labels, input_ids, "pass unshifted labels of the full sequence "
+                      "(shard_batch shifts them)")
+    _check_same_shape("attention_mask", attention_mask, input_ids,
+                      "pass the tokenizer's (batch, sequence) attention_mask")
     batch, seq_len = input_ids.shape
     index = mesh_token_indices(seq_len, mesh).to(input_ids.device)
-    # a new tensor, never a view of ``index`` (at an offset that differs by rank: Dynamo
-    # would then specialise on it, and the ranks would compile different graphs)
-    position_ids = index.repeat(batch, 1)
+    starts = document_starts(input_ids, document_ids, cu_seqlens)
+    if starts is None:
+        # a new tensor, never a view of ``index`` (at an offset that differs by rank: Dynamo
+        # would then specialise on it, and the ranks would compile different graphs)
+        position_ids = index.repeat(batch, 1)
+    else:
+        position_ids = packed_positions(starts)[:, index]
     shifted = None
     if labels is not None:
         pad = labels.new_full((batch, 1), IGNORE_INDEX)
         shifted = torch.cat([labels[:, 1:], pad], dim=1)[:, index]
-    return ShardedBatch(input_ids[:, index], position_ids, shifted)
+    mask = None if attention_mask is None else attention_mask[:, index]
+    return ShardedBatch(input_ids[:, index], position_ids, shifted, mask)
+
+
+def _check_same_shape(name: str, tensor: torch.Tensor | None, input_ids: torch.Tensor,
+                      fix: str) -> None:
+    if tensor is not None and tensor.shape != input_ids.shape:
+        raise LoongShapeError(f"{name} of shape {tuple(tensor.shape)} for input_ids of shape "
+                              f"{tuple(input_ids.shape)}",
+                              f"{name} and input_ids have the same shape", fix)
+
+
+def document_starts(input_ids: torch.Tensor, document_ids: torch.Tensor | None,
+                    cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
+    """``(B, S)`` bool, True where a document starts; None without documents."""
+    if document_ids is not None and cu_seqlens is not None:
+        raise LoongShapeError("both document_ids and cu_seqlens", "documents are given one way",
+                              "pass document_ids or cu_seqlens, not both")
+    batch, seq_len = input_ids.shape
+    if document_ids is not None:
+        _check_same_shape("document_ids", document_ids, input_ids,
+                          "pass (batch, sequence) document ids of the full sequence")
+        if document_ids.dtype.is_floating_point or document_ids.dtype == torch.bool:
+            raise LoongShapeError(f"document_ids of dtype {document_ids.dtype}",
+                                  "document ids are integers", "pass an integer tensor")
+        starts = torch.ones(batch, seq_len, dtype=torch.bool, device=input_ids.device)
+        starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        return starts
+    if cu_seqlens is None:
+        return None
+    bounds = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else None
+    rows_flat = bounds is not None and bounds[-1:] == [batch * seq_len]
+    if (bounds is None or cu_seqlens.dtype.is_floating_point or bounds[:1] != [0]
+            or bounds[-1] not in (seq_len, batch * seq_len)
+            or any(a >= b for a, b in zip(bounds, bounds[1:]))
+            or (rows_flat and not {r * seq_len for r in range(batch + 1)} <= set(bounds))):
+        raise LoongShapeError(f"cu_seqlens={bounds if bounds is not None else tuple(cu_seqlens.shape)}",
+                              f"cu_seqlens is 1-D, integer, strictly increasing from 0 to S = "
+                              f"{seq_len} (every row) or to B*S = {batch * seq_len} (rows "
+                              "flattened, with every row end k*S among the boundaries)",
+                              "pass torch.tensor([0, len1, len1+len2, ...]) as flash-attn's "
+                              "varlen functions take it")
+    starts = torch.zeros(batch * seq_len if rows_flat else seq_len, dtype=torch.bool)
+    starts[bounds[:-1]] = True
+    return starts.view(-1, seq_len).expand(batch, seq_len).to(input_ids.device)
+
+
+def packed_positions(starts: torch.Tensor) -> torch.Tensor:
+    """Position ids restarting at 0 at every document start, ``(B, S)`` int64."""
+    seq_len = starts.size(1)
+    pos = torch.arange(seq_len, device=starts.device).expand_as(starts)
+    last_start = torch.where(starts, pos, torch.zeros_like(pos)).cummax(1).values
+    return pos - last_start
 
 
 def gather_sequence(x: torch.Tensor, mesh, dim: int = 1) -> torch.Tensor:

@@ -4,14 +4,30 @@ Under ``hp·cp > 1`` each rank holds the tokens that ``data.py``'s layout gives
 it, and the position ids are how the model learns which: RoPE rotates, and
 learned position embeddings look up, by them.  Position ids that are not the
 layout's (a batch not cut with ``shard_batch``, positions made by hand or for
-another mesh, packed documents) make every result silently wrong.  So before
-each call of a graph that takes ``position_ids``, each rank compares them with
-what the layout says it holds (one comparison of a ``(B, S_local)`` integer
-tensor), and the ranks of the sequence exchange their verdicts (one all-reduce
-of ``hp·cp`` integers) so that either all of them raise, before the graph's
-first collective, or none does.  The exchange is needed: the first rank
-legitimately holds positions ``0..S_local-1``, so its own check passes when
-nobody called ``shard_batch``.
+another mesh) make every result silently wrong.  So before each call of a graph
+that takes ``position_ids``, each rank compares them with what the layout says
+it holds (one comparison of a ``(B, S_local)`` integer tensor), and the ranks of
+the sequence exchange their verdicts (one all-reduce of ``2·hp·cp`` integers) so
+that either all of them raise, before the graph's first collective, or none
+does.  The exchange is needed: the first rank legitimately holds positions
+``0..S_local-1``, so its own check passes when nobody called ``shard_batch``.
+
+The rule.  A rank's positions are accepted when they are the layout's
+(``OK``) or packed documents (``PACKED``: each position counts from a document
+start at or before its token, ``0 <= position <= global position``, and along
+tokens that are neighbours in the sequence it goes up by one or restarts at
+0) -- the packed-sequence convention of transformers, whose global document
+structure ``sequence_document_ids`` rebuilds from the same positions, so the
+graph computes what one process computes with them.  A rank whose positions
+are exactly ``0..S_local-1`` (``LOCAL``) holds a document starting at its
+first token, which is accepted unless *every* rank of the sequence holds
+``0..S_local-1``: that is what positions counted per rank look like (no
+``shard_batch``, or the whole sequence fed to every rank), and is refused
+(documents that all start exactly on the ranks' first tokens are refused with
+it).  Anything else (``OTHER``), or a length the layout cannot split
+(``LENGTH``), is refused.  The rule needs no rank's positions but its own: a
+gather of the positions would need equal shapes on every rank, which is what
+the check cannot assume.
 """
 
 from __future__ import annotations
@@ -27,39 +43,44 @@ import torch.fx
 
 from loong_compile import _compat
 from loong_compile.data import layout_positions
-from loong_compile.errors import LoongError, LoongShapeError, LoongUnsupportedError
+from loong_compile.errors import LoongError, LoongShapeError
 
-# where Dynamo read a graph input from: the compiled function's own argument or one of its
-# **kwargs (``L['position_ids']``, ``L['kwargs']['position_ids']``)
-_POSITION_IDS_SOURCE = re.compile(r"L\['position_ids'\]|L\['\w+'\]\['position_ids'\]")
 _CACHED_LENGTHS = 16
 
 
 class Verdict(enum.IntEnum):
-    """One rank's finding, ordered so that the largest across ranks picks the error: a rank
-    that holds a document's start at its first token looks LOCAL, the others PACKED."""
+    """One rank's finding, ordered so that the largest across ranks picks the error."""
 
     OK = 0
-    LOCAL = 1     # 0..S_local-1: the rank's own tokens counted from 0
-    PACKED = 2    # counted from document starts at or before each token: packed documents
+    PACKED = 1    # counted from document starts at or before each token: packed documents
+    LOCAL = 2     # 0..S_local-1: a document starting at the rank's first token, or the rank's
+                  # own tokens counted from 0 (refused when every rank holds 0..S_local-1)
     OTHER = 3     # anything else that is not the layout's
     LENGTH = 4    # S_local·hp·cp is no sequence length the layout can split
 
 
 CAUSES = {
-    Verdict.LOCAL: "positions count this rank's own tokens from 0",
-    Verdict.PACKED: "positions count from document starts (packed documents)",
+    Verdict.LOCAL: "positions count this rank's own tokens from 0 (as on every rank of the "
+                   "sequence)",
     Verdict.OTHER: "positions are not those of the tokens the layout gives the rank",
     Verdict.LENGTH: "the local length times hp*cp is no sequence length the layout can split",
 }
 
 
-def position_ids_index(gm: torch.fx.GraphModule) -> int | None:
-    """Index of the graph input that is the compiled function's ``position_ids``, or None."""
+def graph_input_index(gm: torch.fx.GraphModule, name: str) -> int | None:
+    """Index of the graph input that is the compiled function's argument ``name`` (given
+    directly or among its ``**kwargs``: ``L['position_ids']``, ``L['kwargs']['position_ids']``),
+    or None."""
+    pattern = re.compile(rf"L\['{name}'\]|L\['\w+'\]\['{name}'\]")
     for index, source in enumerate(_compat.placeholder_sources(gm)):
-        if source is not None and _POSITION_IDS_SOURCE.fullmatch(source):
+        if source is not None and pattern.fullmatch(source):
             return index
     return None
+
+
+def position_ids_index(gm: torch.fx.GraphModule) -> int | None:
+    """Index of the graph input that is the compiled function's ``position_ids``, or None."""
+    return graph_input_index(gm, "position_ids")
 
 
 def checking_positions(compiled: Callable, gm: torch.fx.GraphModule,
@@ -97,10 +118,17 @@ class PositionCheck:
     def __call__(self, args: Sequence[Any]) -> None:
         positions = args[self.index]
         verdict, detail = self.verdict(positions)
-        verdicts = torch.zeros(self.mesh.sp, dtype=torch.int64, device=positions.device)
-        verdicts[self.place] = verdict
-        dist.all_reduce(verdicts, group=_compat.resolve_process_group(self.mesh.group_names["sp"]))
-        failing = {rank: Verdict(v) for rank, v in zip(self.mesh.sp_ranks, verdicts.tolist()) if v}
+        # row 0: the ranks' verdicts; row 1: whether each holds exactly 0..S_local-1
+        found = torch.zeros(2, self.mesh.sp, dtype=torch.int64, device=positions.device)
+        found[0, self.place] = verdict
+        found[1, self.place] = positions.dim() > 0 and torch.equal(
+            positions, torch.arange(positions.shape[-1], device=positions.device)
+            .expand_as(positions))
+        dist.all_reduce(found, group=_compat.resolve_process_group(self.mesh.group_names["sp"]))
+        verdicts = [Verdict(v) for v in found[0].tolist()]
+        failing = {rank: v for rank, v, bad in zip(
+            self.mesh.sp_ranks, verdicts, refused(verdicts, [bool(f) for f in found[1].tolist()]))
+            if bad}
         if failing:
             raise _error(failing, self.mesh, positions.shape[-1] if positions.dim() else 0, detail)
 
@@ -128,6 +156,13 @@ class PositionCheck:
                 self._expected.clear()
             self._expected[key] = layout_positions(local_len, self.mesh).to(like.device, like.dtype)
         return self._expected[key]
+
+
+def refused(verdicts: Sequence[Verdict], holds_arange: Sequence[bool]) -> list[bool]:
+    """Which ranks of a sequence to refuse, from every rank's verdict and whether it holds
+    exactly ``0..S_local-1`` (the rule of the module's docstring)."""
+    counted_per_rank = all(holds_arange)
+    return [v >= Verdict.OTHER or (v is Verdict.LOCAL and counted_per_rank) for v in verdicts]
 
 
 def classify(positions: torch.Tensor, expected: torch.Tensor) -> Verdict:
@@ -170,12 +205,6 @@ def _error(failing: dict[int, Verdict], mesh: Any, local_len: int, detail: str) 
     shard = ("cut each full (B, S) batch with loong_compile.shard_batch(input_ids, labels, mesh) "
              f"for mesh = init_mesh(hp={mesh.hp}, cp={mesh.cp}, placement={mesh.placement!r}) "
              "and pass position_ids=batch.position_ids")
-    if worst is Verdict.PACKED:
-        return LoongUnsupportedError(
-            what, "packed documents (position ids restarting at 0 inside a row) need attention "
-            "masked per document: not supported yet (issue 13)",
-            "give each row one document (pad to a multiple of the sequence divisor), or train "
-            "packed rows with hp=cp=1")
     if worst is Verdict.LENGTH:
         return LoongShapeError(
             what, "position_ids holds S_local tokens of a sequence of S_local*hp*cp, which the "

@@ -1,8 +1,9 @@
 """The device mesh of 2D-Attention: ``dp × cp × hp`` ranks, placement, Double-Ring groups.
 
 ``sp = hp·cp`` ranks share one sequence (LoongTrain §4.1); ``world = dp·sp``.
-The mesh tensor (global rank at each ``(dp, cp, hp)`` coordinate) is the one
-place that knows which rank sits where; every group below is read off it.
+The mesh tensor (global rank at each ``(dp, cp, hp)`` coordinate, from
+``layout.rank_of``) is what the groups below are read off; the sizes are
+checked against ``layout``'s rules and the world size.
 
 * ``head_first``: the ranks of one HP group are consecutive (the all-to-all
   stays inside a node); ``context_first``: those of one CP group are (§4.4).
@@ -29,10 +30,10 @@ import torch.distributed as dist
 
 from loong_compile import _compat, rank_check
 from loong_compile.errors import LoongMeshError
+from loong_compile.layout import PLACEMENTS, inner_ring_violation, rank_of
 
 log = logging.getLogger(__name__)
 
-PLACEMENTS = ("head_first", "context_first")
 MESH_DIMS = ("dp", "cp", "hp")
 
 # the ring groups of one CP group, in the order they are created
@@ -40,11 +41,9 @@ RING_GROUPS = ("kv_inner", "kv_outer", "dkv_inner", "dkv_outer")
 
 
 def rank_layout(dp: int, cp: int, hp: int, placement: str) -> torch.Tensor:
-    """Global rank at each ``(dp, cp, hp)`` coordinate."""
-    ranks = torch.arange(dp * cp * hp)
-    if placement == "head_first":
-        return ranks.reshape(dp, cp, hp)
-    return ranks.reshape(dp, hp, cp).transpose(1, 2)
+    """Global rank at each ``(dp, cp, hp)`` coordinate (``layout.rank_of``)."""
+    return torch.tensor([[[rank_of(d, c, h, cp, hp, placement) for h in range(hp)]
+                          for c in range(cp)] for d in range(dp)], dtype=torch.int64)
 
 
 def ring_rank_lists(cp_line: list[int], inner_ring: int) -> dict[str, list[list[int]]]:
@@ -111,16 +110,6 @@ class LoongMesh:
     def hp_rank(self) -> int:
         return self.coords()[2]
 
-    @property
-    def outer_rank(self) -> int:
-        """Index ``i`` of this rank's inner ring inside its CP group."""
-        return self.cp_rank // self.inner_ring
-
-    @property
-    def inner_rank(self) -> int:
-        """Position ``j`` of this rank inside its inner ring."""
-        return self.cp_rank % self.inner_ring
-
     def attention_kwargs(self) -> dict[str, object]:
         """Keyword arguments of ``loong_compile.ops.attention_2d`` (ints and group names)."""
         return {
@@ -128,6 +117,11 @@ class LoongMesh:
             "hp_group": self.group_names["hp"],
             **{f"{kind}_group": self.group_names[kind] for kind in RING_GROUPS},
         }
+
+    def document_kwargs(self) -> dict[str, object]:
+        """Keyword arguments of ``loong_compile.ops.sequence_document_ids``."""
+        return {"hp": self.hp, "cp": self.cp, "sp_group": self.group_names["sp"],
+                "hp_group": self.group_names["hp"], "cp_group": self.group_names["dkv_outer"]}
 
     def describe(self) -> str:
         """The plan: sizes and the ranks of every group."""
@@ -227,11 +221,9 @@ def _validate(hp, cp, placement, inner_ring, dp, world) -> int:
     if placement not in PLACEMENTS:
         raise LoongMeshError(f"placement={placement!r}", f"placement is one of {PLACEMENTS}",
                              "use 'head_first' (HP group on consecutive ranks) or 'context_first'")
-    if cp % inner_ring:
-        divisors = [w for w in range(1, cp + 1) if cp % w == 0]
-        raise LoongMeshError(f"inner_ring={inner_ring} with cp={cp}",
-                             "the inner ring size w must divide d_cp (d_cp/w inner rings)",
-                             f"use inner_ring in {divisors}")
+    violation = inner_ring_violation(cp, inner_ring)
+    if violation:
+        raise LoongMeshError(*violation)
     sp = hp * cp
     if not dist.is_initialized() and (sp > 1 or (dp or 1) > 1):
         raise LoongMeshError(f"hp={hp}, cp={cp}, dp={dp} without torch.distributed",

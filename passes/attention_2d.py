@@ -1,5 +1,10 @@
 """Rewrite attention call sites into LoongTrain's 2D-Attention.
 
+One pass, ~370 lines: the call-site rewrite with the checks that decide it (window, RoPE,
+mask causes).  What can stand alone lives beside it: KV-repeat matching (``kv_repeat``),
+flash-attn matching (``flash_match``), the mask proof (``mask_proof``) and the per-graph
+document ids (``document_ids``).
+
 Contract
 --------
 stage:    dynamo (torch IR, before AOTAutograd)
@@ -12,35 +17,48 @@ matches:  ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_cau
           ``repeat_interleave(n, dim=1)``.
 emits:    one ``loong_compile.ops.attention_2d`` call per site, on the un-repeated KV, with the
           mesh's group names as constant arguments; it traces into the seq all-to-all and
-          Double-Ring custom ops under AOTAutograd.
+          Double-Ring custom ops under AOTAutograd.  A boolean ``attn_mask`` that
+          ``passes/mask_proof.py`` proves to be packed documents (from ``position_ids``), key
+          padding (from the 2-D ``attention_mask``), causality and a window becomes
+          ``document_ids=`` (one ``sequence_document_ids`` call per graph,
+          ``passes/document_ids.py``) and ``window=``; the mask's own subgraph dies.  A window
+          the local length cannot show (``L <= W < S``) comes from the module's
+          ``sliding_window`` (``model_facts``): on a masked call, and on a causal call without a
+          mask (transformers skipped the mask because the local length fits the window).
 refuses:  (``LoongUnsupportedError`` naming the node, its source line, the reason and the fix)
-          an ``attn_mask`` (saying what built it: padding, transformers' packed-sequence
-          detection, a local causal mask), ``dropout_p > 0``, attention inside another
-          higher-order op's body; (``LoongTokenMixingError``) a causal call whose module has a
-          sliding window shorter than the global sequence (transformers dropped the window
-          because it saw only the local length), a RoPE that changes with the sequence length
+          an ``attn_mask`` the probes do not prove (saying what built it and what it did
+          instead), ``dropout_p > 0``, attention inside another higher-order op's body, a
+          flash-attn ``window_size``; (``LoongTokenMixingError``) a window the module declares
+          that the call contradicts (a mask without it although the local length shows it, a
+          non-causal call, a dynamic length), a RoPE that changes with the sequence length
           beyond its threshold.
 reports:  each rewritten site (source line, module, heads, KV heads, un-repeated or not, causal,
-          scale, window checked, mesh sizes, the HOP body it sits in).
+          scale, the mask's proven meaning and the probes run, the window and where it came
+          from, the document ids it reads, mesh sizes, the HOP body it sits in); the document-ids
+          calls made; the mask operands dropped from HOP bodies.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 
 from loong_compile.errors import LoongTokenMixingError, LoongUnsupportedError
+from loong_compile.input_checks import graph_input_index
 from loong_compile.ops import attention_2d
 from loong_compile.passes import model_facts
 from loong_compile.passes.base import PassContext
+from loong_compile.passes.document_ids import DocumentIds
 from loong_compile.passes.flash_match import match_flash_attn
 from loong_compile.passes.fx_util import module_path, source_line
-from loong_compile.passes.subgraphs import graph_scopes
+from loong_compile.passes.kv_repeat import shape, unrepeated_kv
+from loong_compile.passes.mask_proof import PADDING, POSITIONS, MaskMeaning, MaskNotProven, Prover
+from loong_compile.passes.subgraphs import Scope, drop_unused_operands, graph_scopes
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -49,9 +67,10 @@ SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale
 FLASH_DEFAULTS = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
                   "softcap": 0.0, "alibi_slopes": None, "deterministic": False,
                   "return_attn_probs": False}
-MASKS_LATER = ("masks are not distributed yet (packed documents, padding and windows: issue 13); "
-               "until then pass no attention_mask, leave use_cache at its default and gradient "
-               "checkpointing off (both make transformers build a mask), or run with hp=cp=1")
+MASK_FIX = ("build the mask as transformers does, from position_ids (packed documents restart "
+            "at 0), the tokenizer's 2-D attention_mask (padding) and the config's sliding_window, "
+            "or call loong_compile.ops.attention_2d(..., document_ids=, window=) yourself; "
+            "otherwise run with hp=cp=1")
 
 
 # The fact this pass provides: every attention call of the graph is rewritten to 2D-Attention.
@@ -79,14 +98,21 @@ class Attention2DPass:
                 _refuse(node, f"it sits inside a {scope.hop} body, whose computation the "
                               "backend cannot rewrite as a whole",
                         "call attention outside the higher-order op, or run with hp=cp=1")
-        rewritten = [_rewrite(scope.module.graph, node, ctx, root) | {"inside": scope.hop}
-                     for scope, node in sites]
-        for module in {id(m): m for m in [gm] + [s.module for s, _ in sites]}.values():
-            module.graph.eliminate_dead_code()
-            module.graph.lint()
-            module.recompile()
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        inputs = {name: placeholders[i] if i is not None else None
+                  for name in (POSITIONS, PADDING) for i in [graph_input_index(gm, name)]}
+        prover = Prover(scopes, {n: name for name, n in inputs.items() if n is not None})
+        documents = DocumentIds(gm, scopes, inputs, ctx.mesh)
+        rewritten = [_rewrite(scope, node, ctx, root, prover, documents)
+                     | {"inside": scope.hop} for scope, node in sites]
+        dropped = drop_unused_operands(scopes)
+        for scope in scopes:
+            scope.module.graph.lint()
+            scope.module.recompile()
         summary: dict[str, Any] = {"matched": len(sites), "changed": rewritten,
-                                   "model": type(root).__name__ if root is not None else None}
+                                   "model": type(root).__name__ if root is not None else None,
+                                   "document_ids": documents.summary(),
+                                   "mask_operands_dropped": dropped}
         rope = _check_rope(root, rewritten, ctx)
         if rope:
             summary["rope"] = rope
@@ -112,8 +138,9 @@ def _check_rope(root, rewritten: list[dict], ctx: PassContext) -> dict | None:
     return {"rope_type": rope_type, "threshold": threshold, "global_len": global_len}
 
 
-def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext,
-             root: torch.nn.Module | None) -> dict:
+def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn.Module | None,
+             prover: Prover, documents: DocumentIds) -> dict:
+    graph = scope.module.graph
     flash = match_flash_attn(node)
     is_flash = flash is not None
     args = _flash_args(flash) if is_flash else _bind(node, SDPA_PARAMS, SDPA_DEFAULTS)
@@ -124,8 +151,13 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext,
     else:
         q, k, v = args["query"], args["key"], args["value"]
         causal, scale = args["is_causal"], args["scale"]
-        if args["attn_mask"] is not None:
-            _refuse(node, f"it has an attn_mask, {_mask_cause(args['attn_mask'])}", MASKS_LATER)
+    meaning = None
+    if not is_flash and args["attn_mask"] is not None:
+        meaning = _prove(node, args["attn_mask"], prover)
+        if causal is not False:
+            _refuse(node, f"it has both an attn_mask and is_causal={causal!r}",
+                    "pass one of them, as F.scaled_dot_product_attention requires")
+        causal = meaning.causal
     if not (isinstance(args["dropout_p"], (int, float)) and args["dropout_p"] == 0):
         _refuse(node, f"dropout_p={args['dropout_p']!r}; attention dropout over a sharded "
                       "sequence would not equal one process's",
@@ -133,11 +165,17 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext,
     if not isinstance(causal, bool) or not (scale is None or isinstance(scale, (int, float))):
         _refuse(node, f"is_causal={causal!r} / scale={scale!r} are not constants",
                 "pass Python bool/float values")
-    tokens = _static(_shape(q)[1 if is_flash else 2])
-    window = _check_window(node, root, causal, tokens, ctx.config.sp)
+    tokens = _static(shape(q)[1 if is_flash else 2])
+    window, window_from = _window(node, root, causal, tokens, ctx.config.sp, meaning)
+    try:
+        document_ids = documents.for_call(meaning, scope)
+    except MaskNotProven as e:
+        _refuse(node, f"its attn_mask is {meaning.describe()}, but {e}",
+                "pass position_ids=batch.position_ids (and attention_mask=batch.attention_mask) "
+                "from loong_compile.shard_batch to the model")
 
     # flash-attn takes fewer KV heads as they are; SDPA callers often repeat them first
-    k_unrepeated, v_unrepeated = (None, None) if is_flash else (_unrepeated_kv(k), _unrepeated_kv(v))
+    k_unrepeated, v_unrepeated = (None, None) if is_flash else (unrepeated_kv(k), unrepeated_kv(v))
     unrepeat = (k_unrepeated is not None and v_unrepeated is not None
                 and _heads(k_unrepeated) == _heads(v_unrepeated))
     if unrepeat:
@@ -147,6 +185,10 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext,
     kwargs = {"is_causal": causal, "scale": None if scale is None else float(scale),
               "enable_gqa": is_flash or unrepeat or bool(args["enable_gqa"]),
               **ctx.mesh.attention_kwargs()}
+    if document_ids is not None:
+        kwargs["document_ids"] = document_ids
+    if window is not None:
+        kwargs["window"] = window
     with graph.inserting_before(node):
         new = graph.call_function(attention_2d, (q, k, v), kwargs)
     _copy_meta(node, new)
@@ -161,7 +203,11 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext,
         "node": new.name, "replaced": node.name, "source": source_line(node),
         "module": module_path(node), "heads": _heads(q), "kv_heads": _heads(k),
         "kv_unrepeated": unrepeat, "is_causal": causal, "tokens_per_rank": tokens,
-        "sliding_window": window,
+        "sliding_window": window, "window_from": window_from,
+        "mask": None if meaning is None else {
+            "proven": meaning.describe(), "probes": list(meaning.probes),
+            "built": _mask_cause(args["attn_mask"])},
+        "document_ids": None if document_ids is None else document_ids.name,
         "scale": kwargs["scale"] if scale is not None else 1 / math.sqrt(_head_dim(q)),
         "hp": ctx.config.hp, "cp": ctx.config.cp, "inner_ring": ctx.config.inner_ring,
         "placement": ctx.config.placement,
@@ -198,22 +244,51 @@ def _static(size: Any) -> int | None:
     return size if isinstance(size, int) else None
 
 
-def _check_window(node: torch.fx.Node, root, causal: bool, tokens: int | None,
-                  sp: int) -> int | None:
-    """Refuse a call whose module has a window shorter than the global sequence.
+def _prove(node: torch.fx.Node, mask: Any, prover: Prover) -> MaskMeaning:
+    """The mask's meaning, proven on probes; refused with what it did otherwise."""
+    if not isinstance(mask, torch.fx.Node):
+        _refuse(node, f"its attn_mask is the constant {mask!r}", MASK_FIX)
+    try:
+        return prover.prove(mask)
+    except MaskNotProven as e:
+        _refuse(node, f"it has an attn_mask, {_mask_cause(mask)}, and {e}", MASK_FIX)
 
-    The call reached us without a mask, so the model decided no window was needed: it saw only
-    this rank's tokens.  A window at least as long as the global sequence changes nothing."""
-    window = model_facts.sliding_window(model_facts.module_of(root, node), root)
-    if window is not None and (tokens is None or window < tokens * sp):
-        length = "a dynamic length" if tokens is None else f"{tokens * sp} tokens"
-        _refuse(node, f"its module has sliding_window={window} but the call has no mask "
-                      f"(is_causal={causal}): the model decided from this rank's share of the "
-                      f"tokens that no window applies, while the sequence has {length}",
-                "windows are not distributed yet (issue 13): set sliding_window=None (or >= the "
-                "sequence length) in the config to train with full causal attention, or run with "
-                "hp=cp=1", error=LoongTokenMixingError)
-    return window
+
+def _window(node: torch.fx.Node, root, causal: bool, tokens: int | None, sp: int,
+            meaning: MaskMeaning | None) -> tuple[int | None, str | None]:
+    """The window 2D-Attention applies (None: none shorter than the global sequence) and
+    where it came from ("mask": the probes saw it; "module": its ``sliding_window``).
+
+    A window ``W`` is visible in a mask of ``L`` tokens only when ``W < L``; transformers
+    builds no mask at all when ``L < W`` and nothing else needs one.  So the module's window
+    must show in the mask when shorter than ``L``, and is taken from the module otherwise.
+    """
+    module_window = model_facts.sliding_window(model_facts.module_of(root, node), root)
+    seen = meaning.window if meaning is not None else None
+    mask = "no mask" if meaning is None else f"a mask proven to be {meaning.describe()}"
+
+    def refuse(reason: str) -> NoReturn:
+        _refuse(node, f"its module has sliding_window={module_window} and the call has {mask} "
+                      f"(is_causal={causal}): {reason}",
+                "set sliding_window=None (or >= the sequence length) in the config to train "
+                "with full causal attention, or run with hp=cp=1", error=LoongTokenMixingError)
+
+    if seen is not None:
+        if module_window != seen:
+            refuse(f"the mask's window is {seen}")
+        return seen, "mask"
+    if module_window is None:
+        return None, None
+    if tokens is None:
+        refuse("the length is dynamic, so whether the window matters cannot be decided")
+    if module_window >= tokens * sp:
+        return None, None
+    if not causal:
+        refuse("2D-Attention applies windows to causal attention only")
+    if module_window < tokens:
+        refuse(f"the window is shorter than this rank's {tokens} tokens, yet the model applied "
+               "none")
+    return module_window, "module"
 
 
 def _mask_cause(mask: Any) -> str:
@@ -244,6 +319,7 @@ def _fake_attention(q, k, v, kwargs: dict) -> Any:
     values = [_example(n) for n in (q, k, v)]
     if not all(isinstance(t, torch.Tensor) for t in values):
         return None
+    kwargs = {key: _example(a) if isinstance(a, torch.fx.Node) else a for key, a in kwargs.items()}
     with values[0].fake_mode:
         return attention_2d(*values, **kwargs)
 
@@ -262,82 +338,24 @@ def _refuse_flash_extras(node: torch.fx.Node, args: dict[str, Any]) -> None:
                     f"leave {key} at its default {FLASH_DEFAULTS[key]!r}")
 
 
-def _refuse(node: torch.fx.Node, reason: str, fix: str, error=LoongUnsupportedError) -> None:
+def _refuse(node: torch.fx.Node, reason: str, fix: str, error=LoongUnsupportedError) -> NoReturn:
     raise error(
         f"attention call {node.name} at {source_line(node)} (module {module_path(node)})",
         f"it cannot be distributed exactly: {reason}", fix)
-
-
-def _unrepeated_kv(node: Any) -> torch.fx.Node | None:
-    """The (B, H_kv, S, D) tensor that ``node`` repeats head-wise as repeat_interleave does, or None.
-
-    Recognised: ``x.repeat_interleave(n, dim=1)`` and Hugging Face's ``repeat_kv``:
-    ``x[:, :, None, :, :].expand(B, H_kv, n, S, D).reshape(B, H_kv * n, S, D)``.  Both map query
-    head ``h`` to KV head ``h // n``.  (``x.repeat(1, n, 1, 1)`` maps it to ``h % H_kv``: not
-    matched, the call then keeps the repeated heads.)
-    """
-    if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method"):
-        return None
-    if node.target in ("repeat_interleave", torch.repeat_interleave):
-        src = node.args[0]
-        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
-        return src if dim == 1 and _rank(src) == 4 else None
-    if node.target in ("reshape", "view", torch.reshape):
-        expanded = node.args[0]
-        if not (isinstance(expanded, torch.fx.Node) and expanded.target == "expand"):
-            return None
-        unsqueezed = expanded.args[0]
-        src = _unsqueezed_at_2(unsqueezed)
-        if src is None or _rank(src) != 4:
-            return None
-        out_shape, in_shape = _shape(node), _shape(src)
-        if out_shape is None or in_shape is None:
-            return None
-        # same batch, sequence, head dim; heads multiplied
-        if (out_shape[0], out_shape[2], out_shape[3]) == (in_shape[0], in_shape[2], in_shape[3]) \
-                and out_shape[1] % in_shape[1] == 0:
-            return src
-    return None
-
-
-def _unsqueezed_at_2(node: Any) -> torch.fx.Node | None:
-    if not isinstance(node, torch.fx.Node):
-        return None
-    if node.target == operator.getitem and isinstance(node.args[1], tuple):
-        index = node.args[1]
-        full = slice(None, None, None)
-        if len(index) in (3, 5) and index[0] == full and index[1] == full and index[2] is None \
-                and all(i == full for i in index[3:]):
-            return node.args[0]
-        return None
-    if node.target in ("unsqueeze", torch.unsqueeze):
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-        return node.args[0] if dim == 2 else None
-    return None
 
 
 def _example(node: Any):
     return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
 
 
-def _shape(node: Any) -> tuple | None:
-    value = _example(node)
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
-
-
-def _rank(node: Any) -> int | None:
-    shape = _shape(node)
-    return None if shape is None else len(shape)
-
-
 def _heads(node: Any) -> int | None:
-    shape = _shape(node)
-    return None if shape is None else int(shape[1])
+    found = shape(node)
+    return None if found is None else int(found[1])
 
 
 def _head_dim(node: Any) -> int:
-    shape = _shape(node)
-    return int(shape[-1]) if shape else 1
+    found = shape(node)
+    return int(found[-1]) if found else 1
 
 
 def _transposed(value: Any) -> Any:

@@ -49,6 +49,24 @@ def is_attention(node: torch.fx.Node, ops: frozenset | None = None) -> bool:
         attention_ops() if ops is None else ops)
 
 
+# Ops that communicate: running one again in the backward would replay the collective (and
+# every rank would have to replay it alike).  By name, like the attention ops.
+COLLECTIVE_NAMESPACES = ("_c10d_functional",)
+COLLECTIVE_OP_NAMES = ("loong.seq_all_to_all", "loong.ring_attention_fwd", "loong.ring_attention_bwd")
+
+
+def is_collective(node: torch.fx.Node) -> bool:
+    """Whether ``node`` communicates, or is a result (``getitem``) of an op that does."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        return is_collective(node.args[0])
+    name = getattr(node.target, "name", None)
+    name = name() if callable(name) else ""
+    qualified = name.split("::")[0] + "." + name.split("::")[-1].split(".")[0] if "::" in name else ""
+    return qualified in COLLECTIVE_OP_NAMES or qualified.split(".")[0] in COLLECTIVE_NAMESPACES
+
+
 def getitem_users(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The getitem nodes reading a multi-output op's results (the attention's out, lse, ...)."""
     return [u for u in node.users if u.target is operator.getitem]

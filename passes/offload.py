@@ -11,12 +11,23 @@ storage are rebased so the storage travels once.
 Emits, with the ops of ``loong_compile.ops.offload``:
 
 - forward: ``h = loong.offload(x)`` right after ``x``'s last forward use, and
-  ``loong.wait_tensor(h, keepalive=x)`` before the forward of layer ``i + 2`` (MEMO: the copy of
-  layer ``i`` overlaps layer ``i + 1``); the wait's result (the host tensor) is what is saved.
+  ``loong.wait_tensor(h, keepalive=x, after=m, layer=i)`` before the forward of layer ``i + 2`` (MEMO:
+  the copy of layer ``i`` overlaps layer ``i + 1``); the wait's result (the host tensor) is
+  what is saved.
   ``keepalive`` keeps ``x`` alive until its copy has finished, so no memory an in-flight copy
   reads is reused; nothing is freed by the op itself.
-- backward: ``y = loong.reload(h, device)`` where the backward of layer ``i + 1`` starts (the
-  prefetch overlaps it), ``loong.wait_tensor(y, keepalive=h)`` right before the first use.
+- backward: ``y = loong.reload(h, device, after=m)`` where the backward of layer ``i + 1``
+  starts (the prefetch overlaps it; for the top layer, where the backward graph starts),
+  ``loong.wait_tensor(y, keepalive=h, after=m, layer=i)`` right before the first use.
+
+``after=m`` is a data dependency that pins the op in any order Inductor's scheduler picks:
+``m`` is the last matmul (the last node with FLOPs, a buffer Inductor materialises anyway)
+before the op's place in the FX graph: for a forward wait, layer ``i + 1``'s last; for a
+prefetch, the last of the layer whose backward precedes layer ``i + 1``'s; for a backward
+wait, the last before the first use.  None where no such node follows the copy's start (then
+nothing could run between them anyway).  Dependencies, not a post-scheduling pass: they hold
+through every Inductor reordering (peak memory, comms) and in every lowering, and they
+cost nothing at run time (``after`` is never read).
 
 Nodes holding a swapped layer's skeletal tensors (forward) and their reloads (backward) carry
 ``meta["loong_rounding_buffer"] = layer % 2``: MEMO's two rounding buffers, for a memory plan
@@ -33,7 +44,8 @@ import torch.fx
 
 from loong_compile.ops.offload import OFFLOAD, RELOAD, WAIT
 from loong_compile.passes.activations import CATEGORIES, ActivationPlan, FollowsActivationPlan
-from loong_compile.passes.fx_util import base_of, first_in_order, insert_call, is_view, last_in_order, nbytes
+from loong_compile.passes.fx_util import (base_of, first_in_order, insert_call, is_view, last_in_order, nbytes,
+                                         node_flops)
 from loong_compile.passes.layers import layer_name
 from loong_compile.passes.recompute import RECOMPUTED_LAYERS
 from loong_compile.passes.saved_values import SavedValues
@@ -54,6 +66,17 @@ def forward_uses(node: Node) -> list[Node]:
             if is_view(user):
                 stack.append(user)
     return uses
+
+
+def _compute_before(node: Node, start: Node | None = None) -> Node | None:
+    """The last tensor-valued node with FLOPs before ``node`` (and after ``start``), or None."""
+    cursor = node.prev
+    while cursor.op != "root" and cursor is not start:
+        if (cursor.op == "call_function" and cursor.target not in (OFFLOAD, RELOAD, WAIT)
+                and isinstance(cursor.meta.get("val"), torch.Tensor) and node_flops(cursor) > 0):
+            return cursor
+        cursor = cursor.prev
+    return None
 
 
 class OffloadPass(FollowsActivationPlan):
@@ -77,9 +100,9 @@ class OffloadPass(FollowsActivationPlan):
             # as reloaded in the backward) belong to staging buffer i % 2; a memory plan can
             # give them static offsets there.
             unit.meta[ROUNDING_BUFFER] = layer % 2
-            self._offload(saved, unit, fw_starts.get(layer + 2))
+            self._offload(saved, unit, layer, fw_starts.get(layer + 2))
             if ph.users:
-                self._reload(saved.bw, ph, unit.meta["val"].device, bw_starts.get(layer + 1)
+                self._reload(saved.bw, ph, layer, unit.meta["val"].device, bw_starts.get(layer + 1)
                              ).meta[ROUNDING_BUFFER] = layer % 2
         split.forward.graph.lint()
         split.backward.graph.lint()
@@ -127,7 +150,7 @@ class OffloadPass(FollowsActivationPlan):
         return starts
 
     @staticmethod
-    def _offload(saved: SavedValues, unit: Node, next_next_layer: Node | None) -> None:
+    def _offload(saved: SavedValues, unit: Node, layer: int, next_next_layer: Node | None) -> None:
         fw = saved.fw
         uses = forward_uses(unit)
         last = last_in_order(fw, uses) if uses else unit
@@ -137,19 +160,25 @@ class OffloadPass(FollowsActivationPlan):
         anchor = next_next_layer if next_next_layer is not None and order[next_next_layer] > order[host] \
             else saved.output
         with fw.inserting_before(anchor):
-            waited = insert_call(fw, WAIT, (host, unit), name=f"wait_{host.name}")
+            waited = insert_call(fw, WAIT, (host, unit, _compute_before(anchor, host), layer),
+                                 name=f"wait_{host.name}")
         saved.replace(unit, waited)
 
     @staticmethod
-    def _reload(bw: torch.fx.Graph, ph: Node, device: torch.device, layer_above: Node | None) -> Node:
+    def _reload(bw: torch.fx.Graph, ph: Node, layer: int, device: torch.device,
+                layer_above: Node | None) -> Node:
         users = list(ph.users)
         first = first_in_order(bw, users)
         order = {n: k for k, n in enumerate(bw.nodes)}
-        start = layer_above if layer_above is not None and order[layer_above] < order[first] else first
+        if layer_above is not None and order[layer_above] < order[first]:
+            start, after = layer_above, _compute_before(layer_above)
+        else:   # no layer above: the backward of what follows the layers (the head) overlaps it
+            start, after = next(n for n in bw.nodes if n.op == "call_function"), None
         with bw.inserting_before(start):
-            back = insert_call(bw, RELOAD, (ph, device), name=f"reload_{ph.name}")
+            back = insert_call(bw, RELOAD, (ph, device, after), name=f"reload_{ph.name}")
         with bw.inserting_before(first):
-            ready = insert_call(bw, WAIT, (back, ph), name=f"wait_{back.name}")
+            ready = insert_call(bw, WAIT, (back, ph, _compute_before(first, back), layer),
+                                name=f"wait_{back.name}")
         for user in users:
             user.replace_input_with(ph, ready)
         return back

@@ -13,6 +13,11 @@ the rules can't prove token-wise proves nothing: that tensor is recomputed in fu
 and the report says why.  A chain with a random op is not
 recomputed at all (it would draw new numbers): the tensor stays saved.
 
+A recompute never communicates: a chain stops at a collective's result (under hp > 1 the
+SeqAlltoAll of q/k/v and of the attention's out), which is saved instead; the out exchanged
+back to this rank's tokens is sliced like a single process's attention out.  So the alpha LP,
+which prices recompute by FLOPs, has no communication to price.
+
 ``alpha = 0`` recomputes every "other" tensor in full (= Selective Checkpoint++), ``alpha = 1``
 none.  Summary per layer: tokens kept and recomputed, which tensors were sliced, recomputed
 in full or kept (with reasons), recomputed bytes and FLOPs.
@@ -30,7 +35,8 @@ import torch.fx
 from loong_compile.passes.activations import ActivationPlan, FollowsActivationPlan
 from loong_compile.passes.base import PassContext, SplitGraphs
 from loong_compile.passes.fx_util import (
-    base_of, first_in_order, getitem_users, insert_call, is_random, nbytes, node_flops, set_meta,
+    base_of, first_in_order, getitem_users, insert_call, is_collective, is_random, nbytes, node_flops,
+    set_meta,
 )
 from loong_compile.passes.saved_values import SavedValues
 from loong_compile.passes.token_rules import Step, TokenDim, analyse, is_tensor, shape_of
@@ -135,6 +141,17 @@ def input_token_dim(plan: ActivationPlan, layer: int, fw_nodes: list[Node]) -> t
     return x, TokenDim(found[0]), shape_of(x)[found[0]]
 
 
+def _exchanged_back(attention_outs: set[Node]) -> set[Node]:
+    """The results of the collectives that take an attention output (hp > 1: the SeqAlltoAll
+    that brings ``out`` back to this rank's tokens)."""
+    found = set()
+    for out in attention_outs:
+        for user in out.users:
+            if is_collective(user):
+                found |= set(getitem_users(user)) or {user}
+    return found
+
+
 def region(targets: list[Node], stop: Callable[[Node], bool], order: dict[Node, int]) -> list[Node]:
     """The forward nodes between the stops and ``targets``, in graph order."""
     seen: set[Node] = set()
@@ -206,10 +223,12 @@ class TokenSliceRecomputePass(FollowsActivationPlan):
             row["kept"] = [{"value": b.name, "reason": "alpha = 1: offloaded whole"} for b in others]
             return row
         attention_outs = {o for att in plan.layers.attention[layer] for o in getitem_users(att)}
+        attention_outs |= _exchanged_back(attention_outs)
         roots = attention_outs | {base_of(n) for n in plan.layers.inputs[layer]}
 
         def stop(n: Node) -> bool:
-            return n.op in ("placeholder", "get_attr") or n in roots or plan.layers.layer_of(n) != layer
+            return (n.op in ("placeholder", "get_attr") or n in roots or is_collective(n)
+                    or plan.layers.layer_of(n) != layer)
 
         token_roots: dict[Node, TokenDim] = {}
         if unknown is None and a > 0:
@@ -218,11 +237,18 @@ class TokenSliceRecomputePass(FollowsActivationPlan):
                 if shape_of(att.args[0])[-2] == s:    # the attention sees this layer's tokens
                     token_roots |= {o: TokenDim(2) for o in getitem_users(att)
                                     if is_tensor(o) and len(shape_of(o)) >= 3 and shape_of(o)[2] == s}
+            # under hp > 1: the attention's out exchanged back to this rank's tokens, (B, H, s, D)
+            token_roots |= {o: TokenDim(2) for o in attention_outs if is_collective(o)
+                            and is_tensor(o) and len(shape_of(o)) >= 3 and shape_of(o)[2] == s}
         steps, failures = analyse(region(others, stop, order), token_roots, s) if token_roots else ({}, {})
         sliced, full = [], []
         for b in others:
             if any(is_random(n) for n in region([b], stop, order)):
                 row["kept"].append({"value": b.name, "reason": "its recompute chain has a random op"})
+                continue
+            if is_collective(b):
+                row["kept"].append({"value": b.name, "reason": "a collective's result: saved, never "
+                                    "communicated again"})
                 continue
             reason = (unknown or (a == 0 and "no token offloaded (alpha·s rounds to 0): full recompute")
                       or failures.get(b)

@@ -67,3 +67,46 @@ def _operands(body: torch.fx.GraphModule, caller: torch.fx.Node, attr: torch.fx.
     placeholders = list(body.graph.find_nodes(op="placeholder"))
     args = list(caller.args[caller.args.index(attr) + 1:])
     return dict(zip(placeholders, args))
+
+
+def parent_of(scope: Scope, scopes: list[Scope]) -> Scope:
+    """The scope whose graph calls ``scope``'s body."""
+    return next(s for s in scopes if s.module.graph is scope.caller.graph)
+
+
+def add_operand(scope: Scope, outer: torch.fx.Node, name: str) -> torch.fx.Node:
+    """Pass ``outer`` (a node of the caller's graph) into an inline body as a new last operand;
+    returns the body's placeholder for it."""
+    graph = scope.module.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    with graph.inserting_after(placeholders[-1]) if placeholders else \
+            graph.inserting_before(next(iter(graph.nodes))):
+        inner = graph.placeholder(name)
+    inner.meta["example_value"] = outer.meta.get("example_value")
+    scope.caller.args = (*scope.caller.args, outer)
+    scope.operands[inner] = outer
+    return inner
+
+
+def drop_unused_operands(scopes: list[Scope]) -> int:
+    """Remove the dead code of every scope, innermost first, and the inline bodies' operands
+    their body no longer reads (an attention mask after the rewrite), so that what computed
+    them dies in the caller too.  Returns how many operands were dropped."""
+    dropped = 0
+    for scope in reversed(scopes):
+        scope.module.graph.eliminate_dead_code()
+        if scope.hop is None or not scope.inline:
+            continue
+        args = list(scope.caller.args)
+        first = 1 + next(i for i, a in enumerate(args) if isinstance(a, torch.fx.Node)
+                         and a.op == "get_attr"
+                         and getattr(scope.caller.graph.owning_module, a.target) is scope.module)
+        for index, placeholder in reversed(list(enumerate(
+                scope.module.graph.find_nodes(op="placeholder")))):
+            if not placeholder.users:
+                del args[first + index]
+                scope.module.graph.erase_node(placeholder)
+                scope.operands.pop(placeholder, None)
+                dropped += 1
+        scope.caller.args = tuple(args)
+    return dropped

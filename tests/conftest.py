@@ -30,17 +30,24 @@ class FakeMesh:
         return {"hp": 2, "cp": 2, "inner_ring": 1, "hp_group": "g_hp", "kv_inner_group": "",
                 "kv_outer_group": "g_out", "dkv_inner_group": "", "dkv_outer_group": "g_dout"}
 
+    def document_kwargs(self):
+        return {"hp": 2, "cp": 2, "sp_group": "g_sp", "hp_group": "g_hp", "cp_group": "g_dout"}
 
-def dynamo_graph(fn, *inputs):
-    """The FX graph Dynamo captures for fn (with its fake-tensor metadata)."""
+
+def dynamo_graph(fn, *inputs, **kw_inputs):
+    """The FX graph Dynamo captures for fn (with its fake-tensor metadata, and each input's
+    source, which Dynamo drops once the compile is over)."""
     graphs = []
 
     def capture(gm, example_inputs):
-        graphs.append(gm)
+        graphs.append((gm, {n: n.meta["grapharg"] for n in gm.graph.find_nodes(op="placeholder")
+                            if "grapharg" in n.meta}))
         return gm.forward
 
-    torch.compile(fn, backend=capture, fullgraph=True)(*inputs)
-    (gm,) = graphs
+    torch.compile(fn, backend=capture, fullgraph=True)(*inputs, **kw_inputs)
+    ((gm, sources),) = graphs
+    for node, grapharg in sources.items():
+        node.meta["grapharg"] = grapharg
     return gm
 
 

@@ -1,12 +1,13 @@
 """Helpers shared by the test modules (imported by conftest.py; test modules import them from
 here, never from each other): the tiny Llama builder, one single-process training step through
-a ``LoongBackend`` with a probe pass, the gradient-equality assertion, and the multi-rank
-section harness.
+a ``LoongBackend`` with a probe pass, the gradient-equality assertion, the multi-rank
+section harness, the masked-attention reference and attention with transformers' own masks.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -163,6 +164,28 @@ def run_step(name: str, options, probe: Probe | None = None, lowering="aot_eager
 
 # -- multi-rank tests: named sections, each failure kept as text -------------------------------
 
+def sharded_step(model: torch.nn.Module, ids: torch.Tensor, mesh, options, passes=None):
+    """One training step of ``model`` through a LoongBackend with ``options`` on this rank's
+    tokens of ``ids``: (loss, gradients all-reduced over the world, the graph's report)."""
+    import torch.distributed as dist
+
+    from loong_compile import shard_batch
+
+    batch = shard_batch(ids, ids, mesh)
+    reports = []
+    backend = LoongBackend(options, passes=passes, on_report=reports.append)
+    out = torch.compile(model, backend=backend, fullgraph=True)(batch.input_ids,
+                                                                position_ids=batch.position_ids)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    loss = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=-100,
+                           reduction="sum") / (ids.shape[0] * (ids.shape[1] - 1))
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    dist.all_reduce(loss)
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, reports[-1]
+
+
 class Sections:
     """What one rank's run of a multi-rank suite returns: each named section's result, or
     ``("failed", traceback)`` so one failing part does not hide the others."""
@@ -197,3 +220,63 @@ def loong_error_in(exc: BaseException | None):
             return exc
         exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
     return None
+
+
+def allowed_pairs(document_ids: torch.Tensor, is_causal: bool, window: int | None) -> torch.Tensor:
+    """``(B, S, S)`` bool: query i may see key j (issue 13's rule, from first principles)."""
+    seq = document_ids.size(1)
+    i, j = torch.arange(seq).unsqueeze(1), torch.arange(seq).unsqueeze(0)
+    allowed = (document_ids.unsqueeze(2) == document_ids.unsqueeze(1)) & \
+        (document_ids.unsqueeze(2) >= 0)
+    if is_causal:
+        allowed &= j <= i
+    if window is not None:
+        allowed &= i - j < window
+    return allowed
+
+
+def masked_reference(q, k, v, dout, document_ids, is_causal, window):
+    """One process, float64, the explicit mask: ``(out, lse, dq, dk, dv)``; a row that sees
+    nothing gives out 0, lse -inf and zero gradients."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    if document_ids is None:
+        document_ids = torch.zeros(q.size(0), q.size(2), dtype=torch.long)
+    allowed = allowed_pairs(document_ids, is_causal, window).unsqueeze(1)
+    sees = allowed.any(-1)
+    kv = [t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v)]
+    scores = (q @ kv[0].transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(~allowed, -math.inf)
+    scores = torch.where(sees.unsqueeze(-1), scores, torch.zeros_like(scores))
+    out = (scores.softmax(-1) @ kv[1]) * sees.unsqueeze(-1)
+    lse = torch.logsumexp(scores, -1).masked_fill(~sees, -math.inf)
+    grads = torch.autograd.grad(out, (q, k, v), dout.double())
+    return out.detach(), lse.detach(), *grads
+
+
+def masked_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Max relative error over the finite entries; inf unless the infinite entries match."""
+    got = got.double()
+    if not torch.equal(torch.isinf(got), torch.isinf(want)):
+        return math.inf
+    finite = ~torch.isinf(want)
+    diff = (got[finite] - want[finite]).abs().max()
+    return (diff / want[finite].abs().max().clamp_min(1e-300)).item()
+
+
+def hf_masked_attention(make: str, window: int | None = None, chunk: int | None = None,
+                        **mask_kwargs) -> Callable:
+    """``fn(q, k, v, position_ids, attention_mask=None)``: SDPA with the mask transformers'
+    ``masking_utils.<make>`` builds, called as its models call it (no cache; ``mask_kwargs``
+    such as ``or_mask_function`` passed on)."""
+    import transformers.masking_utils as masking
+    from transformers import MistralConfig
+
+    config = MistralConfig(hidden_size=16, num_attention_heads=2, sliding_window=window,
+                           attn_implementation="sdpa")
+    config.attention_chunk_size = chunk
+
+    def fn(q, k, v, position_ids, attention_mask=None):
+        mask = getattr(masking, make)(config=config, inputs_embeds=q[:, 0],
+                                      attention_mask=attention_mask, past_key_values=None,
+                                      position_ids=position_ids, **mask_kwargs)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return fn

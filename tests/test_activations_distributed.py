@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from helpers import BATCH, BUDGET, MODELS, SEQ, Sections, section_results
-from loong_compile import LoongBackend, shard_batch
+from helpers import BATCH, BUDGET, MODELS, SEQ, Sections, section_results, sharded_step
 from loong_compile.estimate.alpha import agree_min
 from loong_compile.mesh import init_mesh
 from loong_compile.testing import run_distributed
@@ -30,41 +28,27 @@ CONFIGS = [("example", 2, 2, "memo", 0.0), ("example", 2, 2, "memo", 0.5),
            ("example", 2, 2, "memo", 0.5, "inductor")]   # the others lower with aot_eager
 
 
-def _logits(model, ids, positions):
-    out = model(ids, position_ids=positions)
-    return out if isinstance(out, torch.Tensor) else out.logits
-
-
 def _reference(name, ids):
     """One process, the full sequence, eager."""
     model = MODELS[name]()
-    loss = F.cross_entropy(_logits(model, ids, None)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    out = model(ids)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
 def _distributed(name, hp, cp, policy, alpha, ids, lowering="aot_eager"):
     torch._dynamo.reset()
-    mesh = init_mesh(hp=hp, cp=cp)
-    batch = shard_batch(ids, ids, mesh)
-    model, reports = MODELS[name](), []
     measured = {"host_bandwidth": "auto", "layer_time": "auto"} if alpha == "auto" else {}
-    backend = LoongBackend({"hp": hp, "cp": cp, "lowering": lowering, "activations": policy,
-                            "alpha": alpha, "resident_layers": 0, **BUDGET, **measured},
-                           on_report=reports.append)
-    logits = _logits(torch.compile(model, backend=backend, fullgraph=True), batch.input_ids,
-                     batch.position_ids)
-    loss = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=-100,
-                           reduction="sum") / (BATCH * (SEQ - 1))
-    loss.backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-    dist.all_reduce(loss)
+    loss, grads, report = sharded_step(MODELS[name](), ids, init_mesh(hp=hp, cp=cp), {
+        "hp": hp, "cp": cp, "lowering": lowering, "activations": policy, "alpha": alpha,
+        "resident_layers": 0, **BUDGET, **measured})
     summary = {}
     if policy == "memo":
-        summary = {"alpha": reports[-1].summary("activations")["alpha"],
-                   "host_bytes": reports[-1].summary("offload")["host_bytes"]}
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, summary
+        summary = {"alpha": report.summary("activations")["alpha"],
+                   "host_bytes": report.summary("offload")["host_bytes"]}
+    return loss, grads, summary
 
 
 def _relative_errors(config, ids, references):

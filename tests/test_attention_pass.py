@@ -9,6 +9,7 @@ from loong_compile.ops import attention_2d
 from loong_compile.passes.attention_2d import Attention2DPass
 from loong_compile.passes.base import PassContext
 from conftest import FakeMesh, dynamo_graph
+from helpers import hf_masked_attention
 
 B, H, HKV, S, D = 2, 4, 2, 8, 16
 
@@ -90,7 +91,7 @@ def test_non_causal_and_every_site_rewritten():
     gm.graph.lint()
 
 
-def test_mask_is_refused_with_node_and_source_line():
+def test_unproven_mask_is_refused_with_node_and_source_line():
     def fn(q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
@@ -99,6 +100,72 @@ def test_mask_is_refused_with_node_and_source_line():
         run_pass(gm)
     msg = str(e.value)
     assert "attn_mask" in msg and "test_attention_pass.py" in msg and "fix:" in msg
+    assert "neither position_ids nor the 2-D attention_mask" in msg
+
+
+POSITIONS = torch.arange(S).expand(B, -1)
+PADDING = torch.ones(B, S, dtype=torch.long)
+
+
+def _mask_ops(gm) -> list[str]:
+    """What is left of a mask's subgraph (transformers': diff/cumsum/arange/index)."""
+    return [n.name for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+            for n in m.graph.nodes if n.op == "call_function"
+            and getattr(n.target, "__name__", "") in ("diff", "arange", "new_ones")]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_transformers_masks_become_document_ids_and_their_subgraph_dies(padded):
+    from loong_compile.ops import sequence_document_ids
+
+    kw = {"attention_mask": PADDING} if padded else {}
+    gm = dynamo_graph(hf_masked_attention("create_causal_mask"), *qkv(kv_heads=H), POSITIONS, **kw)
+    summary, _ = run_pass(gm)
+    (call,) = calls(gm, attention_2d)
+    docs = call.kwargs["document_ids"]
+    made = docs.args[0] if padded else docs       # padding alone: ids of (positions, padding)
+    # with padding alone the positions are no input (only the mask read them): the padding
+    # numbers the documents, whose numbers are dropped
+    assert made.target is sequence_document_ids
+    assert made.args[0].name == ("l_attention_mask_" if padded else "l_position_ids_")
+    assert (made.args[1] is not None) == padded
+    assert padded == (docs.target is torch.clamp)
+    assert call.kwargs["is_causal"] is True and "window" not in call.kwargs
+    assert not _mask_ops(gm)
+    change = summary["changed"][0]
+    assert change["mask"]["proven"] == ("causal, key padding from attention_mask" if padded
+                                        else "causal, documents from position_ids")
+    assert "packed" in change["mask"]["probes"] and change["document_ids"] == docs.name
+    assert len(summary["document_ids"]) == 1 + padded
+
+
+def test_masked_calls_in_checkpoint_bodies_share_one_document_ids_call():
+    from loong_compile.ops import sequence_document_ids
+    import transformers.masking_utils as masking
+    from transformers import MistralConfig
+
+    config = MistralConfig(hidden_size=16, num_attention_heads=2, attn_implementation="sdpa")
+
+    def layer(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask) * 2
+
+    def fn(q, k, v, position_ids):
+        mask = masking.create_causal_mask(config=config, inputs_embeds=q[:, 0],
+                                          attention_mask=None, past_key_values=None,
+                                          position_ids=position_ids)
+        for _ in range(2):
+            q = torch.utils.checkpoint.checkpoint(layer, q, k, v, mask, use_reentrant=False)
+        return q
+
+    gm = dynamo_graph(fn, *qkv(kv_heads=H), POSITIONS)
+    summary, _ = run_pass(gm)
+    assert len(calls(gm, sequence_document_ids)) == 1 and summary["mask_operands_dropped"] == 2
+    bodies = [m for m in gm.modules() if m is not gm and isinstance(m, torch.fx.GraphModule)]
+    for body in bodies:
+        (call,) = calls(body, attention_2d)
+        assert call.kwargs["document_ids"].op == "placeholder"
+        assert all(p.users for p in body.graph.find_nodes(op="placeholder"))
+    assert not _mask_ops(gm)
 
 
 def test_dropout_is_refused():
@@ -136,20 +203,61 @@ class Windowed(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-@pytest.mark.parametrize("window,refused", [(8, True), (31, True), (32, False), (None, False)])
-def test_window_shorter_than_the_global_sequence_is_refused(window, refused, monkeypatch):
+@pytest.mark.parametrize("window,applied", [(4, "refused"), (8, 8), (31, 31), (32, None),
+                                            (None, None)])
+def test_a_window_the_local_length_cannot_show_comes_from_the_module(window, applied,
+                                                                     monkeypatch):
     from loong_compile.errors import LoongTokenMixingError
     from loong_compile.passes import model_facts
 
     module = Windowed(window)
     gm = dynamo_graph(module, *qkv(kv_heads=H))  # S=8 per rank, 32 over hp*cp=4 ranks
     monkeypatch.setattr(model_facts, "compiled_module", lambda: module)
-    if refused:
-        with pytest.raises(LoongTokenMixingError, match=f"sliding_window={window}.*32"):
+    if applied == "refused":  # transformers builds a mask whenever the window fits the rank
+        with pytest.raises(LoongTokenMixingError, match=f"sliding_window={window}.*shorter than "
+                                                        "this rank's 8 tokens"):
             run_pass(gm)
-    else:
-        summary, _ = run_pass(gm)
-        assert summary["changed"][0]["sliding_window"] == window
+        return
+    summary, _ = run_pass(gm)
+    (call,) = calls(gm, attention_2d)
+    assert call.kwargs.get("window") == applied
+    assert summary["changed"][0]["window_from"] == (None if applied is None else "module")
+
+
+class WindowedMask(torch.nn.Module):
+    """transformers' sliding-window mask over packed positions, in a module declaring it."""
+
+    def __init__(self, window):
+        super().__init__()
+        self.sliding_window = window
+        self.attend = hf_masked_attention("create_sliding_window_causal_mask", window)
+
+    def forward(self, q, k, v, position_ids):
+        return self.attend(q, k, v, position_ids)
+
+
+@pytest.mark.parametrize("window,declared,applied", [
+    (5, 5, 5),          # shorter than a rank's 8 tokens: the probes see it
+    (20, 20, 20),       # between a rank's 8 and the sequence's 32 tokens: from the module
+    (5, 6, "refused"),  # the mask and the module disagree
+])
+def test_sliding_window_masks_take_the_window_of_the_mask_or_the_module(
+        window, declared, applied, monkeypatch):
+    from loong_compile.errors import LoongTokenMixingError
+    from loong_compile.passes import model_facts
+
+    module = WindowedMask(window)
+    gm = dynamo_graph(module, *qkv(kv_heads=H), POSITIONS)
+    module.sliding_window = declared
+    monkeypatch.setattr(model_facts, "compiled_module", lambda: module)
+    if applied == "refused":
+        with pytest.raises(LoongTokenMixingError, match="sliding_window=6.*the mask's window is 5"):
+            run_pass(gm)
+        return
+    summary, _ = run_pass(gm)
+    (call,) = calls(gm, attention_2d)
+    assert call.kwargs["window"] == applied and "document_ids" in call.kwargs
+    assert summary["changed"][0]["window_from"] == ("mask" if window < S else "module")
 
 
 def test_pass_applies_only_when_the_sequence_is_split():

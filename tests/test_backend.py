@@ -118,7 +118,8 @@ def test_stages_run_in_order_and_the_rewrite_takes_effect(lowering):
                       ("count_saved", "split", "split")],
         "inductor": [("relu_to_abs", "dynamo", "dynamo"), ("count_joint", "joint", "joint"),
                      ("count_saved", "split", "split"), ("count_post_grad", "post_grad", "forward"),
-                     ("count_post_grad", "post_grad", "backward")],
+                     ("overlap", "inductor", "forward"),     # read from each graph's generated code
+                     ("count_post_grad", "post_grad", "backward"), ("overlap", "inductor", "backward")],
     }[lowering]
     assert ran == expected
     assert report.summary("relu_to_abs") == {"matched": 1, "changed": ["relu"]}
@@ -213,7 +214,8 @@ def test_dump_dir_has_code_and_reports(tmp_path):
     assert set(data) >= {"graph_id", "rank", "config", "passes", "skipped", "stage_seconds"}
     assert data["config"]["dump_dir"] == str(tmp_path)
     assert [p["name"] for p in data["passes"]] == ["relu_to_abs", "count_joint", "count_saved",
-                                                   "count_post_grad", "count_post_grad"]
+                                                   "count_post_grad", "overlap", "count_post_grad",
+                                                   "overlap"]
     for p in data["passes"]:
         assert set(p) == {"name", "stage", "graph_kind", "seconds", "summary"} and p["seconds"] >= 0
     md = (graph_dir / "report.md").read_text()

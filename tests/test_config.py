@@ -45,10 +45,24 @@ def test_defaults_are_single_process():
     assert (cfg.hp, cfg.cp, cfg.sp, cfg.activations, cfg.lowering) == (1, 1, 1, "none", "inductor")
 
 
+# what a key's good value needs from other keys (the cross-field rules)
+NEEDS = {"inner_ring": {"cp": GOOD["cp"]}}
+
+
 @pytest.mark.parametrize("key", sorted(GOOD))
 def test_each_key_accepts_a_good_value(key):
-    cfg = LoongConfig.from_options({key: GOOD[key]}, environ={})
+    cfg = LoongConfig.from_options({key: GOOD[key], **NEEDS.get(key, {})}, environ={})
     assert getattr(cfg, key) == GOOD[key]
+
+
+@pytest.mark.parametrize("build", [
+    lambda: LoongConfig(cp=4, inner_ring=3),
+    lambda: LoongConfig.from_options({"inner_ring": 2}, environ={}),
+    lambda: LoongConfig.from_options({"cp": 6}, environ={"LOONG_INNER_RING": "4"}),
+])
+def test_inner_ring_must_divide_cp(build):
+    with pytest.raises(LoongConfigError, match=r"inner_ring=\d with cp=\d.*must divide cp.*fix: use inner_ring in \["):
+        build()
 
 
 @pytest.mark.parametrize("key,value", [(k, v) for k, vs in BAD.items() for v in vs])

@@ -12,6 +12,7 @@ from loong_compile.data import (
     check_sequence_length,
     gather_sequence,
     local_token_indices,
+    mesh_token_indices,
     sequence_divisor,
     shard_batch,
 )
@@ -96,7 +97,54 @@ def test_shard_batch_outputs_have_one_memory_layout_on_every_rank(batch):
     seen = set()
     for rank in range(4):
         mesh = LoongMesh(1, 2, 2, 1, "head_first", rank, layout, None, {}, {})
-        for t in shard_batch(ids, ids, mesh):
+        packed = shard_batch(ids, ids, mesh, cu_seqlens=torch.tensor([0, 5, 32]),
+                             attention_mask=torch.ones_like(ids))
+        for t in (*shard_batch(ids, ids, mesh)[:3], *packed):
             assert t.is_contiguous() and t.storage_offset() == 0, (rank, t.stride(), t.storage_offset())
             seen.add((t.shape, t.stride()))
     assert len(seen) == 1
+
+
+def _four_rank_meshes():
+    layout = rank_layout(1, 2, 2, "context_first")
+    return [LoongMesh(1, 2, 2, 1, "context_first", rank, layout, None, {}, {}) for rank in range(4)]
+
+
+def test_shard_batch_packed_positions_restart_at_every_document():
+    """document_ids, cu_seqlens over S and over B*S name the same documents: each rank gets the
+    positions-within-document of the tokens the layout gives it, and the padding mask's."""
+    ids = torch.arange(2 * 16).reshape(2, 16)
+    documents = torch.tensor([[0] * 3 + [1] * 8 + [2] * 5, [7] * 3 + [8] * 8 + [9] * 5])
+    packed = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4]).expand(2, 16)
+    padding = (torch.arange(16) < 13).long().expand(2, 16)
+    for mesh in _four_rank_meshes():
+        index = mesh_token_indices(16, mesh)
+        forms = [{"document_ids": documents}, {"cu_seqlens": torch.tensor([0, 3, 11, 16])},
+                 {"cu_seqlens": torch.tensor([0, 3, 11, 16, 19, 27, 32])}]
+        for form in forms:
+            batch = shard_batch(ids, ids, mesh, attention_mask=padding, **form)
+            assert torch.equal(batch.position_ids, packed[:, index]), form
+            assert torch.equal(batch.input_ids, ids[:, index])
+            assert torch.equal(batch.attention_mask, padding[:, index])
+            want_labels = torch.cat([ids[:, 1:], torch.full((2, 1), IGNORE_INDEX)], 1)[:, index]
+            assert torch.equal(batch.labels, want_labels)
+        assert shard_batch(ids, None, mesh).attention_mask is None
+
+
+@pytest.mark.parametrize("kwargs,what", [
+    ({"document_ids": torch.zeros(2, 16, dtype=torch.long),
+      "cu_seqlens": torch.tensor([0, 16])}, "both"),
+    ({"document_ids": torch.zeros(2, 15, dtype=torch.long)}, "document_ids of shape"),
+    ({"document_ids": torch.zeros(2, 16)}, "dtype torch.float32"),
+    ({"cu_seqlens": torch.tensor([0, 5, 15])}, "[0, 5, 15]"),
+    ({"cu_seqlens": torch.tensor([1, 5, 16])}, "[1, 5, 16]"),
+    ({"cu_seqlens": torch.tensor([0, 5, 5, 16])}, "[0, 5, 5, 16]"),
+    ({"cu_seqlens": torch.tensor([0, 20, 32])}, "[0, 20, 32]"),  # crosses the row end 16
+    ({"cu_seqlens": torch.tensor([[0, 16]])}, "(1, 2)"),
+    ({"attention_mask": torch.ones(2, 8)}, "attention_mask of shape"),
+])
+def test_shard_batch_refuses_bad_documents(kwargs, what):
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    with pytest.raises(LoongShapeError, match="fix:") as error:
+        shard_batch(ids, None, init_mesh(), **kwargs)
+    assert what in str(error.value)

@@ -351,7 +351,7 @@ def test_layer_activations_sc_plus_plus():
 
 
 @pytest.mark.parametrize("change,named", [
-    (dict(cp=3), "seq=8192"), (dict(hp=3), "tp*hp=3"), (dict(pp=5), "pp=5"),
+    (dict(cp=3), "sequence length 8192"), (dict(hp=3), "hp=3"), (dict(tp=3), "tp=3"), (dict(pp=5), "pp=5"),
     (dict(cp=0), "cp=0"), (dict(seq=-1), "seq=-1"), (dict(cp=4, inner_ring=3), "inner_ring=3"),
     (dict(pp=2, stage=2), "stage=2"),
 ])

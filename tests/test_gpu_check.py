@@ -79,3 +79,38 @@ def test_without_cuda_every_check_is_skipped_with_the_reason_and_exit_is_zero(tm
     assert data["environment"]["torch"] == torch.__version__
     assert "| kernels | skipped |" in (tmp_path / "gpu_check.md").read_text()
     assert "no CUDA device" in capsys.readouterr().out
+
+
+class _FakeEvent:
+    """A CUDA event's timing interface: a timestamp in ms."""
+
+    def __init__(self, ms):
+        self.ms, self.synced = ms, False
+
+    def synchronize(self):
+        self.synced = True
+
+    def elapsed_time(self, end):
+        return end.ms - self.ms
+
+
+def test_exposed_time_per_layer_sums_each_kinds_blocked_milliseconds():
+    from loong_compile.ops.exposure import per_layer
+
+    records = [(0, "offload", _FakeEvent(1.0), _FakeEvent(1.5)), (0, "offload", _FakeEvent(4.0), _FakeEvent(4.25)),
+               (1, "reload", _FakeEvent(9.0), _FakeEvent(12.0)), (-1, "all_to_all", _FakeEvent(2.0), _FakeEvent(2.5))]
+    assert per_layer(records) == {0: {"offload": 0.75, "offload_waits": 2},
+                                  1: {"reload": 3.0, "reload_waits": 1},
+                                  -1: {"all_to_all": 0.5, "all_to_all_waits": 1}}
+    assert all(end.synced for *_, end in records)
+
+
+def test_exposed_time_records_nothing_off_cuda():
+    from loong_compile.ops.exposure import blocking, recording
+    from loong_compile.ops.offload import OFFLOAD, WAIT
+
+    x = torch.randn(4)
+    with recording() as records:
+        with blocking("offload", 0, x.device):
+            host = WAIT(OFFLOAD(x), x, None, 0)
+    assert records == [] and torch.equal(host, x)

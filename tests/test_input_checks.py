@@ -24,7 +24,7 @@ import loong_compile as lc
 from conftest import error_of, still_in_step
 from loong_compile._compat import resolve_process_group
 from loong_compile.data import local_token_indices, mesh_token_indices
-from loong_compile.input_checks import Verdict, classify, describe
+from loong_compile.input_checks import Verdict, classify, describe, refused
 from loong_compile.testing import run_distributed
 
 RANK_CHECK_TIMEOUT = 3      # seconds: the ranks that disagree wait this long
@@ -48,9 +48,10 @@ def _ids(batch, seq, seed=0):
     return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def _reference(ids) -> float:
+def _reference(ids, position_ids=None) -> float:
     """One process, the full sequence, float64."""
-    return F.cross_entropy(_model()(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item()
+    logits = _model()(ids, position_ids=position_ids)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item()
 
 
 def _distributed_loss(compiled, ids, mesh, position_ids=None, dynamic=False) -> float:
@@ -91,9 +92,6 @@ def received(rank: int, world: int) -> dict:
         "positions_local": torch.arange(local).expand(2, -1),
         # shard_batch not called: every rank feeds the whole sequence, positions 0..S-1
         "no_shard_batch": None,
-        # two packed documents of 8 tokens, positions restarting at 0 (then cut by the layout)
-        "packed": torch.cat([torch.arange(8), torch.arange(8)])[mesh_token_indices(SEQ, mesh)]
-        .expand(2, -1),
         # cut for another layout (hp=4, cp=1)
         "other_layout": local_token_indices(SEQ, 1, 4, 0, rank).expand(2, -1),
     }
@@ -109,6 +107,12 @@ def received(rank: int, world: int) -> dict:
     reports = []
     out["good"] = (_distributed_loss(_compiled(hp2cp2, reports.append), ids, mesh), _reference(ids))
     out["good_summary"] = reports[-1].summary("input_checks")
+    # packed documents (positions restarting at 0, cut by the layout) run as one process runs
+    # them: this model attends causally across documents, as its own forward does; a document
+    # starting on the first token of the rank holding tokens 8-11 leaves it holding 0..3
+    packed = torch.cat([torch.arange(8), torch.arange(8)]).expand(2, -1)
+    out["packed"] = (_distributed_loss(_compiled(hp2cp2), ids, mesh, packed[:, mesh_token_indices(
+        SEQ, mesh)]), _reference(ids, packed))
 
     # obs 7: batch size 1 and a second length (Dynamo makes the length dynamic), then
     # mark_dynamic as docs/usage.md shows: one graph on every rank, exact (and the token
@@ -175,7 +179,6 @@ REFUSED = {
         "on ranks [1, 2, 3]", "count this rank's own tokens from 0", "shard_batch"]),
     "no_shard_batch": ("LoongShapeError", [
         "a 64-token sequence", "on ranks [1, 2, 3]", "position_ids=batch.position_ids"]),
-    "packed": ("LoongUnsupportedError", ["packed documents", "not supported yet (issue 13)"]),
     "other_layout": ("LoongShapeError", ["not those of the tokens the layout gives", "shard_batch"]),
 }
 
@@ -197,9 +200,10 @@ def test_what_the_backend_receives_is_refused_on_every_rank(four_ranks, scenario
 
 
 @pytest.mark.slow
-def test_the_layouts_positions_run_exactly(four_ranks):
+@pytest.mark.parametrize("scenario", ["good", "packed"])
+def test_the_layouts_positions_and_packed_documents_run_exactly(four_ranks, scenario):
     for out in four_ranks:
-        loss, ref = out["good"]
+        loss, ref = out[scenario]
         assert abs(loss - ref) <= 1e-12 * abs(ref), (loss, ref)
         assert out["good_summary"]["matched"] == 1, out["good_summary"]
 
@@ -246,4 +250,9 @@ def test_verdicts_on_positions():
     assert classify(torch.tensor([[12, 13, 14, 16]]), expected) is Verdict.OTHER
     assert classify(torch.tensor([[13, 14, 15, 16]]), expected) is Verdict.OTHER
     assert describe(torch.tensor([0, 1, 2, 3, 12, 13, 20])) == "0-3, 12-13, 20"
+    ok, packed, local, other = Verdict.OK, Verdict.PACKED, Verdict.LOCAL, Verdict.OTHER
+    # a document starting on rank 1's first token: accepted; every rank counting from 0: not
+    assert refused([ok, local, packed], [True, True, False]) == [False, False, False]
+    assert refused([ok, local, local], [True, True, True]) == [False, True, True]
+    assert refused([packed, other], [False, False]) == [False, True]
     assert describe(torch.arange(0, 20, 2), most=2) == "0, 2, ..."

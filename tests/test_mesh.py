@@ -45,7 +45,7 @@ def test_single_process_mesh_without_distributed():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(hp=2), "needs an initialised process group"),
-    (dict(cp=4, inner_ring=3), "must divide d_cp"),
+    (dict(cp=4, inner_ring=3), "must divide cp"),
     (dict(placement="diagonal"), "placement is one of"),
     (dict(hp=0), "integers >= 1"),
     (dict(cp=True), "integers >= 1"),

@@ -107,7 +107,7 @@ def test_offload_follows_the_last_forward_use_and_waits_before_layer_i_plus_2(of
     order = {n: k for k, n in enumerate(fw.nodes)}
     layers = _layer_nodes(fw, plan)
     for wait in (n for n in fw.nodes if n.target is WAIT):
-        copy, source = wait.args
+        copy, source = wait.args[:2]
         assert copy.target is OFFLOAD and copy.args[0] is source
         uses = [u for u in forward_uses(source) if u.target not in (OFFLOAD, WAIT)]
         assert all(order[u] < order[copy] for u in uses)         # after the last use

@@ -110,11 +110,29 @@ def test_explain_parts_sum_to_the_step_and_name_the_neighbours(headline):
         explain_rank(headline, 99)
 
 
-def test_sliding_window_models_are_planned_without_2d_attention():
+def test_sliding_window_models_are_planned_with_2d_attention():
+    """Masked 2D-Attention runs any window exactly (issue 13): Mistral's 4096-token window
+    keeps every (hp, cp) grid of 8 GPUs, and the fastest plan splits the sequence."""
     mistral = load_model(str(DATA / "mistral-7b.json"))
     result = plan(mistral, 32768, 8, H100, zero_stages=(3,))
-    assert result.ranked and all(c.config.sp == 1 for c in result.ranked)
-    assert result.pruned_reasons()["backend"] == 9     # the 10 (hp, cp) grids of 8 GPUs but hp = cp = 1
+    assert result.ranked and result.ranked[0].config.sp > 1
+    assert "backend" not in result.pruned_reasons()
+    assert not any("window" in p.reason for p in result.pruned)
+
+
+def test_windowed_and_packed_layers_cost_the_pairs_and_chunks_they_need():
+    """Issue 13's masked attention: fewer FLOPs and fewer CP bytes than the dense layer."""
+    mistral = load_model(str(DATA / "mistral-7b.json"))
+    dense = dataclasses.replace(mistral, sliding_window=0, local_layers=0)
+    config = ParallelConfig(seq=32768, cp=8)
+    windowed, full = (layer_cost(m, config, "head_first", H100, "none").attention
+                      for m in (mistral, dense))
+    assert windowed.compute_fwd_step_s < full.compute_fwd_step_s
+    assert windowed.kv_chunk_bytes < full.kv_chunk_bytes
+    packed = layer_cost(dense, dataclasses.replace(config, doc_length=4096), "head_first", H100,
+                        "none").attention
+    assert packed.compute_fwd_step_s < full.compute_fwd_step_s
+    assert packed.kv_chunk_bytes < full.kv_chunk_bytes
 
 
 def test_moe_model_states_count_every_expert():

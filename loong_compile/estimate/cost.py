@@ -32,8 +32,8 @@ from loong_compile.errors import LoongConfigError
 from loong_compile.estimate.hardware import HardwareProfile
 from loong_compile.estimate.memory import ParallelConfig, attention_transfer_bytes
 from loong_compile.estimate.models import ModelSpec
+from loong_compile.layout import PLACEMENTS, rank_of, ring_position
 
-PLACEMENTS = ("head_first", "context_first")
 FLOPS_PER_PAIR_DIM = 4.0         # QK^T and PV: 2 matmuls x 2 FLOPs per MAC per (query, key, dim)
 BACKWARD_FACTOR = 3.0            # LoongTrain 4.5.2
 MERGE_BYTES_PER_ELEMENT = 12.0   # fp32 accumulator read + block read + accumulator write
@@ -50,14 +50,6 @@ def elementwise_elements(model: ModelSpec) -> float:
     RMSNorms (read x, write y: 4h), two residual adds (6h), RoPE on q and k (2(a + k) d_head),
     the gated activation (read gate and up, write: 3 h_ffn).  The backward moves twice that."""
     return 10 * model.hidden + 2 * (model.heads + model.kv_heads) * model.head_dim + 3 * model.activated_ffn
-
-
-def rank_of(dp_i: int, cp_i: int, hp_i: int, cp: int, hp: int, placement: str) -> int:
-    """Global rank of mesh coordinate (dp, cp, hp).  ``head_first``: an HP group is
-    consecutive ranks; ``context_first``: a CP group is (LoongTrain 4.4)."""
-    if placement == "head_first":
-        return (dp_i * cp + cp_i) * hp + hp_i
-    return (dp_i * hp + hp_i) * cp + cp_i
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +154,7 @@ def _ring_flows(config: ParallelConfig, placement: str) -> tuple[list, list]:
     for dp_i in range(config.dp):
         for hp_i in range(hp):
             for cp_i in range(cp):
-                ring, j = divmod(cp_i, w)
+                ring, j = ring_position(cp_i, w)
                 src = rank_of(dp_i, cp_i, hp_i, cp, hp, placement)
                 if w > 1:
                     inner.append((src, rank_of(dp_i, ring * w + (j + 1) % w, hp_i, cp, hp, placement)))
@@ -185,13 +177,14 @@ def attention_cost(model: ModelSpec, config: ParallelConfig, placement: str, hw:
                                "use the memory estimate alone for tp/pp configurations")
     seq, batch, width = config.seq, config.micro_batch, model.heads * model.head_dim
     cp, hp, sp_size, w = config.cp, config.hp, config.sp, config.inner_ring
-    flops = FLOPS_PER_PAIR_DIM * batch * model.attended_pairs(seq) * width
+    flops = FLOPS_PER_PAIR_DIM * batch * model.attended_pairs(seq, config.doc_length) * width
     attn_fwd = flops / (cp * sp_size) / attention_rate(hw, seq / cp)
     merge = 0.0 if cp == 1 else MERGE_BYTES_PER_ELEMENT * batch * seq * width / sp_size / (hw.hbm_gbps * 1e9)
     compute_fwd = attn_fwd + merge
     compute_bwd = BACKWARD_FACTOR * attn_fwd + merge
 
     chunk, held = attention_transfer_bytes(model, config, dtype_bytes)     # Size(kv), sum of Size(q,k,v,out)
+    chunk *= model.kv_fraction(seq, cp, config.doc_length)  # masks: only the chunks ranks need
     inner_flows, outer_flows = _ring_flows(config, placement)
     inner_fwd, outer_fwd = _hop(inner_flows, chunk, hw), _hop(outer_flows, chunk, hw)
     inner_bwd, outer_bwd = _hop(inner_flows, 2 * chunk, hw), _hop(outer_flows, 2 * chunk, hw)

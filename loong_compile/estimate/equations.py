@@ -17,7 +17,9 @@ import dataclasses
 
 import sympy as sp
 
-POLICIES = ("none", "full", "sc++", "memo")
+from loong_compile.layout import ESTIMATED_POLICIES
+
+POLICIES = ESTIMATED_POLICIES
 CATEGORIES = ("input", "attention", "other")   # MEMO's classes, as the passes name them
 
 # --- symbols: the paper's Table 1, then the extensions ----------------------------------

@@ -21,6 +21,7 @@ from loong_compile.estimate.equations import (
     all_terms, alpha, counted_tensors, n_ring_buffers, stored_tensors,
 )
 from loong_compile.estimate.models import ModelSpec
+from loong_compile.layout import Violation, head_violation, inner_ring_violation, sequence_violation
 
 GIB = 2 ** 30
 
@@ -40,6 +41,7 @@ class ParallelConfig:
     micro_batch: int = 1
     inner_ring: int = 1
     stage: int = 0
+    doc_length: int = 0  # mean packed document length (0: one document per sequence)
 
     @property
     def gpus(self) -> int:
@@ -57,27 +59,34 @@ class ParallelConfig:
                 raise LoongConfigError(f"{name}={value!r}", f"{name} must be a positive integer",
                                        f"pass a positive integer for {name}")
         checks = (
-            (model.heads % (self.tp * self.hp) == 0, f"tp*hp={self.tp * self.hp}",
-             f"tp*hp must divide the {model.heads} attention heads of {model.name}",
-             "choose tp and hp whose product divides the head count"),
+            (model.heads % self.tp == 0, f"tp={self.tp}",
+             f"tp must divide the {model.heads} attention heads of {model.name}",
+             "choose a tp that divides the head count"),
             (self.tp <= model.kv_heads and model.kv_heads % self.tp == 0 or self.tp % model.kv_heads == 0,
              f"tp={self.tp}", f"tp must divide {model.kv_heads} KV heads or be a multiple of them",
              "choose another tp"),
             (model.layers % self.pp == 0, f"pp={self.pp}",
              f"pp must divide the {model.layers} layers", "choose a pp that divides the layer count"),
-            (self.sp == 1 or self.seq % (2 * self.sp) == 0, f"seq={self.seq}",
-             f"the sequence must split into 2*cp*hp = {2 * self.sp} zigzag chunks",
-             f"use a sequence length that is a multiple of {2 * self.sp}"),
             (self.seq % self.tp == 0, f"seq={self.seq}",
              f"sequence parallelism splits the sequence over tp={self.tp}", "use a multiple of tp"),
-            (self.cp % self.inner_ring == 0, f"inner_ring={self.inner_ring}",
-             f"the inner ring size must divide cp={self.cp}", "choose an inner_ring that divides cp"),
             (0 <= self.stage < self.pp, f"stage={self.stage}",
              f"stage must be in [0, pp) = [0, {self.pp})", "pass a stage index below pp"),
         )
         for ok, what, rule, fix in checks:
             if not ok:
                 raise LoongConfigError(what, rule, fix)
+        violation = self.layout_violation(model)
+        if violation:
+            raise LoongConfigError(*violation)
+
+    def layout_violation(self, model: ModelSpec) -> Violation | None:
+        """The backend's layout rules (``loong_compile.layout``) on this configuration: what
+        ``torch.compile(backend="loong")`` would refuse.  Under tensor parallelism they apply
+        to one TP rank's heads (KV heads fewer than tp are replicated, one per TP rank)."""
+        local_kv = model.kv_heads // self.tp if model.kv_heads % self.tp == 0 else 1
+        return (inner_ring_violation(self.cp, self.inner_ring)
+                or sequence_violation(self.seq, self.cp, self.hp)
+                or head_violation(model.heads // self.tp, local_kv, self.hp))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 
 from loong_compile.errors import LoongConfigError
+from loong_compile.estimate.masking import causal_pairs, kv_chunk_fraction
+from loong_compile.layout import head_violation
 
 QK_NORMS = ("none", "head", "full")   # none; RMSNorm over head_dim (Qwen3, Gemma3); over all heads (OLMo2)
 
@@ -72,9 +74,9 @@ class ModelSpec:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise self._error(f"{field}={value!r}", f"{field} must be an integer >= 0", f"fix {field}")
-        if self.heads % self.kv_heads:
-            raise self._error(f"heads={self.heads}, kv_heads={self.kv_heads}",
-                              "heads must be a multiple of kv_heads (GQA groups)", "fix num_key_value_heads")
+        gqa = head_violation(self.heads, self.kv_heads, hp=1)
+        if gqa:
+            raise self._error(gqa.what, gqa.rule, "fix num_key_value_heads")
         if self.experts and not (1 <= self.experts_per_token <= self.experts and self.expert_ffn >= 1):
             raise self._error(f"experts={self.experts}, experts_per_token={self.experts_per_token}, "
                               f"expert_ffn={self.expert_ffn}",
@@ -156,13 +158,21 @@ class ModelSpec:
         dense = self.attention_params + self.dense_ffn_params
         return ((self.layers - self.moe_layers) * dense + self.moe_layers * moe) / self.layers
 
-    def attended_pairs(self, seq: int) -> float:
+    def attended_pairs(self, seq: int, doc_length: int = 0) -> float:
         """Causal (query, key) pairs per sequence per layer, averaged over layers, counted as
-        LoongTrain and Megatron count FLOPs: s^2/2, and in sliding-window layers w^2/2 + (s - w) w."""
-        full = seq * seq / 2
-        w = min(self.sliding_window, seq) if self.local_layers else seq
-        local = w * w / 2 + (seq - w) * w
-        return ((self.layers - self.local_layers) * full + self.local_layers * local) / self.layers
+        LoongTrain and Megatron count FLOPs: s^2/2, and in sliding-window layers w^2/2 + (s - w) w;
+        with packed documents of ``doc_length`` tokens, that per document."""
+        return self._per_layer(lambda window: causal_pairs(seq, window, doc_length))
+
+    def kv_fraction(self, seq: int, cp: int, doc_length: int = 0) -> float:
+        """The CP P2P bytes of a layer over the Double-Ring's, averaged over layers: 1 for dense
+        layers (the ring), the masked direct exchange's share for windowed or packed ones."""
+        return self._per_layer(lambda window: kv_chunk_fraction(seq, cp, window, doc_length)
+                               if window or doc_length else 1.0)
+
+    def _per_layer(self, value) -> float:
+        local = value(self.sliding_window) if self.local_layers else 0.0
+        return ((self.layers - self.local_layers) * value(None) + self.local_layers * local) / self.layers
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "parameters": self.parameters}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from loong_compile.errors import LoongConfigError
 from loong_compile.estimate.memory import MemoryBreakdown
 from loong_compile.estimate.search import Plan
+from loong_compile.layout import PLACEMENTS
 
 
 def _pyplot():
@@ -58,7 +59,7 @@ def plot_plan(result: Plan, path: str, top: int) -> None:
         _capacity_lines(ax_mem, shown[0].memory.capacity_gib, shown[0].memory.limit_gib, vertical=False)
         ax_mem.legend(fontsize=7)
     ax_mem.set_title("memory of the ranked configurations", fontsize=9)
-    for placement in ("head_first", "context_first"):
+    for placement in PLACEMENTS:
         best: dict[int, float] = {}
         for c in result.ranked:
             if c.placement == placement:     # hp = 1 or cp = 1 grids are listed as head_first

@@ -7,9 +7,9 @@ estimate``) with both placements and every inner-ring size, the backend's activa
 policies (MEMO on a grid of ``alpha`` values) and ZeRO stages 0-3 over ``dp * cp * hp``
 (FSDP2, ``step.py``).  Each is estimated for memory (the 80% rule:
 ``MemoryBreakdown.verdict``) and host memory (memo).  What fits is ranked by predicted
-throughput (``step_cost``); what does not is kept with the reason.  Sliding-window attention
-is refused by 2D-Attention (``passes/attention_2d.py``), so such models are planned on
-``cp = hp = 1`` only.
+throughput (``step_cost``); what does not is kept with the reason.  Which grids the backend
+refuses (sequence, heads, sliding windows shorter than the sequence under ``hp·cp > 1``)
+comes from ``loong_compile/layout.py``, the rules the backend applies.
 """
 
 from __future__ import annotations
@@ -18,15 +18,17 @@ import dataclasses
 from collections import Counter
 
 from loong_compile.errors import LoongConfigError
-from loong_compile.estimate.cost import PLACEMENTS, LayerCost, layer_cost
+from loong_compile.estimate.cost import LayerCost, layer_cost
 from loong_compile.estimate.hardware import HardwareProfile
 from loong_compile.estimate.memory import (
     MemoryBreakdown, MemoryOptions, ParallelConfig, category_bytes, estimate_memory,
 )
 from loong_compile.estimate.models import ModelSpec
 from loong_compile.estimate.step import StepCost, step_cost
+from loong_compile.layout import (
+    ACTIVATION_POLICIES, PLACEMENTS, divisors, head_violation, sequence_violation,
+)
 
-BACKEND_POLICIES = ("none", "sc++", "memo")   # the policies the backend's `activations` option has
 ZERO_STAGES = (0, 1, 2, 3)
 # How each ZeRO stage is run around the compiled blocks (examples/training.py runs 0 and 3).
 ZERO_LAUNCH = {
@@ -35,10 +37,6 @@ ZERO_LAUNCH = {
     2: "fully_shard(block, mesh=world, reshard_after_forward=False) per block",
     3: "fully_shard(block, mesh=world) per block (examples/training.py --fsdp)",
 }
-
-
-def divisors(n: int) -> list[int]:
-    return [x for x in range(1, n + 1) if n % x == 0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,46 +129,45 @@ class Plan:
                 "pruned_reasons": dict(self.pruned_reasons())}
 
 
-def _grids(model: ModelSpec, seq: int, gpus: int, placements, pruned: list[Pruned]):
+def _grids(model: ModelSpec, seq: int, gpus: int, placements, pruned: list[Pruned],
+           doc_length: int = 0):
     """Valid (config without policy, placement) pairs; invalid grids go to ``pruned``."""
     for hp in divisors(gpus):
         for cp in divisors(gpus // hp):
             dp = gpus // (hp * cp)
             grid = {"dp": dp, "cp": cp, "hp": hp}
-            if model.local_layers and hp * cp > 1:
-                pruned.append(Pruned(grid, f"backend: 2D-Attention refuses sliding-window attention "
-                                           f"({model.local_layers} layers of {model.name} use a "
-                                           f"{model.sliding_window}-token window); only cp = hp = 1 runs"))
-                continue
-            if model.heads % hp:
-                pruned.append(Pruned(grid, f"heads: d_hp={hp} does not divide the {model.heads} heads"))
-                continue
-            if seq % (2 * cp * hp) and cp * hp > 1:
-                pruned.append(Pruned(grid, f"sequence: {seq} tokens do not split into 2*cp*hp = "
-                                           f"{2 * cp * hp} zigzag chunks"))
+            # the backend's rules (loong_compile.layout), as torch.compile(backend="loong") applies them
+            refused = [(kind, violation) for kind, violation in (
+                ("sequence", sequence_violation(seq, cp, hp)),
+                ("heads", head_violation(model.heads, model.kv_heads, hp))) if violation]
+            if refused:
+                kind, violation = refused[0]
+                pruned.append(Pruned(grid, f"{kind}: {violation.what}; rule: {violation.rule}"))
                 continue
             # w = cp is the same single ring as w = 1; with hp = 1 or cp = 1 both placements coincide.
             rings = [w for w in divisors(cp) if w < cp] or [1]
             for placement in placements if hp > 1 and cp > 1 else placements[:1]:
                 for w in rings:
-                    yield ParallelConfig(seq=seq, dp=dp, cp=cp, hp=hp, inner_ring=w), placement
+                    yield ParallelConfig(seq=seq, dp=dp, cp=cp, hp=hp, inner_ring=w,
+                                         doc_length=doc_length), placement
 
 
 def plan(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, *,
-         policies: tuple[str, ...] = BACKEND_POLICIES, alphas: tuple[float, ...] = (0.0, 0.5, 1.0),
+         policies: tuple[str, ...] = ACTIVATION_POLICIES, alphas: tuple[float, ...] = (0.0, 0.5, 1.0),
          zero_stages: tuple[int, ...] = ZERO_STAGES, micro_batch: int = 1,
          placements: tuple[str, ...] = PLACEMENTS,
-         memory_options: MemoryOptions | None = None) -> Plan:
+         memory_options: MemoryOptions | None = None, doc_length: int = 0) -> Plan:
     """Enumerate, prune and rank.  ``memory_options`` supplies the switches and overheads
-    (default ``MemoryOptions.loongtrain()``); its policy, alpha and ZeRO stage are searched."""
+    (default ``MemoryOptions.loongtrain()``); its policy, alpha and ZeRO stage are searched.
+    ``doc_length``: mean packed document length (0: one document per sequence)."""
     for name, value in (("seq", seq), ("gpus", gpus), ("micro_batch", micro_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise LoongConfigError(f"{name}={value!r}", f"{name} must be a positive integer",
                                    f"pass a positive {name}")
-    unknown = [x for x in policies if x not in BACKEND_POLICIES]
+    unknown = [x for x in policies if x not in ACTIVATION_POLICIES]
     if unknown or not policies:
         raise LoongConfigError(f"activations={','.join(policies)!r}",
-                               f"the backend's policies are {', '.join(BACKEND_POLICIES)}",
+                               f"the backend's policies are {', '.join(ACTIVATION_POLICIES)}",
                                "pass a comma-separated subset of them")
     bad_placements = [x for x in placements if x not in PLACEMENTS]
     if bad_placements or not placements:
@@ -179,7 +176,7 @@ def plan(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, *,
     base = memory_options or MemoryOptions.loongtrain()
     host_budget_gib = base.usable_fraction * hardware.host_memory_gib / hardware.gpus_per_node
     ranked, pruned = [], []
-    for grid, placement in _grids(model, seq, gpus, placements, pruned):
+    for grid, placement in _grids(model, seq, gpus, placements, pruned, doc_length):
         config = dataclasses.replace(grid, micro_batch=micro_batch)
         for zero in zero_stages:
             for policy in policies:

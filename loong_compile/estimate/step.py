@@ -68,10 +68,11 @@ def collective_seconds(nbytes: float, ranks: int, hw: HardwareProfile, passes: i
     return passes * ((ranks - 1) / ranks * nbytes / (bandwidth * 1e9) + (ranks - 1) * latency * 1e-6)
 
 
-def model_flops_per_sequence(model: ModelSpec, seq: int) -> float:
-    """Training FLOPs of one sequence (forward x 3), as MFU counts them."""
+def model_flops_per_sequence(model: ModelSpec, seq: int, doc_length: int = 0) -> float:
+    """Training FLOPs of one sequence (forward x 3), as MFU counts them (the pairs the masks
+    allow: packed documents of ``doc_length`` tokens, the model's windows)."""
     weights = model.layers * model.activated_layer_params + model.hidden * model.vocab
-    attention = model.layers * FLOPS_PER_PAIR_DIM * model.attended_pairs(seq) * model.heads * model.head_dim
+    attention = model.layers * FLOPS_PER_PAIR_DIM * model.attended_pairs(seq, doc_length) * model.heads * model.head_dim
     return 3 * (2 * seq * weights + attention)
 
 
@@ -99,5 +100,5 @@ def step_cost(model: ModelSpec, config: ParallelConfig, layer: LayerCost, zero: 
         exposed = max(0.0, n * reduce - n * backward)
         if zero == 1:
             exposed += n * gather + collective_seconds(WEIGHT_BYTES * root, ranks, hw)
-    flops = config.micro_batch * model_flops_per_sequence(model, config.seq) / config.sp
+    flops = config.micro_batch * model_flops_per_sequence(model, config.seq, config.doc_length) / config.sp
     return StepCost(n * layer.total_s, lm_head, gather, reduce, exposed, flops, hw.peak_tflops * 1e12)

@@ -226,6 +226,33 @@ def check_memory_plan(figures: dict) -> str:
     return f"arena {arena / 2**20:.1f} MiB; peak {run['peaks'][-1] / 2**20:.1f} MiB, steady over 20 steps"
 
 
+def check_exposed_time(figures: dict) -> str:
+    """memo (every layer swapped) on Inductor's CUDA code: the time the compute stream blocks on
+    each layer's offload and reload waits (CUDA events, ``ops.exposure``), beside the compute
+    kernels the generated code schedules between each start and its wait."""
+    import tempfile
+
+    from loong_compile.ops.exposure import per_layer, recording
+
+    device = require_cuda()
+    model, ids = _llama(device, layers=4), torch.randint(0, 32000, (1, 8192), device=device)
+    options = {"activations": "memo", "alpha": 0.5, "resident_layers": 0}
+    with tempfile.TemporaryDirectory() as dump:      # dump_dir: the report reads the generated code
+        run = _train_steps(model, ids, {**options, "dump_dir": dump}, steps=2)
+        with recording() as records:
+            compiled_step = _train_steps(model, ids, {**options, "dump_dir": dump}, steps=1)
+            layers = per_layer(records)
+    figures["exposed_ms_per_layer"] = {str(k): {kind: round(v, 3) for kind, v in row.items()}
+                                       for k, row in sorted(layers.items())}
+    figures["overlap"] = {kind: s["kinds"] for (name, kind), s in run["summaries"].items()
+                          if name == "overlap"}
+    figures["step_s"] = round(compiled_step["step_s"], 4)
+    swapped = [layer for layer in layers if layer >= 0]
+    assert sorted(swapped) == [0, 1, 2, 3], f"waits recorded for layers {sorted(layers)}, want 0-3"
+    worst = max(sum(v for k, v in row.items() if not k.endswith("_waits")) for row in layers.values())
+    return f"exposed offload + reload time per layer at most {worst:.2f} ms (4 layers, 8192 tokens)"
+
+
 CHECKS = [("kernels", check_kernels), ("double_ring", check_double_ring),
           ("offload_overlap", check_offload_overlap), ("activation_memory", check_activation_memory),
-          ("memory_plan", check_memory_plan)]
+          ("memory_plan", check_memory_plan), ("exposed_time", check_exposed_time)]

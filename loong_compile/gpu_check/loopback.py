@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from loong_compile.data import local_token_indices
+from loong_compile.layout import ring_position
 from loong_compile.ops import ring
 
 _current = threading.local()   # .rank and .fabric of the thread's simulated CP rank
@@ -61,7 +62,7 @@ class LoopbackRing(ring.DoubleRing):
     def __init__(self, cp: int, inner_ring: int, rank: int):
         self.cp, self.w, self.n_outer = cp, inner_ring, cp // inner_ring
         self.rank = rank
-        self.i, self.j = divmod(rank, inner_ring)
+        self.i, self.j = ring_position(rank, inner_ring)
         self.kv_inner, self.dkv_inner = f"kv_inner{self.i}", f"dkv_inner{self.i}"
         self.kv_outer, self.dkv_outer = f"kv_outer{self.j}", "dkv_outer"
 

@@ -2,15 +2,18 @@
 
 Importing this package registers the custom ops ``torch.ops.loong.seq_all_to_all``,
 ``torch.ops.loong.ring_attention_fwd`` (returns ``(out, lse)``) and
-``torch.ops.loong.ring_attention_bwd``.
+``torch.ops.loong.ring_attention_bwd``, ``torch.ops.loong.masked_attention_fwd`` /
+``masked_attention_bwd`` and ``torch.ops.loong.sequence_document_ids``.
 """
 
 from loong_compile.ops.alltoall import seq_all_to_all
 from loong_compile.ops.attention import attention_2d, check_attention_inputs
 from loong_compile.ops.comm import comm_counters, reset_comm_counters
+from loong_compile.ops.documents import sequence_document_ids
 from loong_compile.ops.ring import merge_partial, ring_attention_bwd, ring_attention_fwd
 
 __all__ = [
     "attention_2d", "check_attention_inputs", "comm_counters", "merge_partial",
     "reset_comm_counters", "ring_attention_bwd", "ring_attention_fwd", "seq_all_to_all",
+    "sequence_document_ids",
 ]

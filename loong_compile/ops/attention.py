@@ -8,7 +8,8 @@ given this rank's tokens in the layout of ``loong_compile.data``:
    ``hp / H_kv`` times (``repeat_interleave``, so its gradient is the sum of
    the replicas'); otherwise KV travels with its ``H_kv`` heads.
 2. SeqAlltoAll over the HP group: ``(B, H, S/sp, D) -> (B, H/hp, S/cp, D)``.
-3. Double-Ring attention over the CP group -> ``(out, lse)``.
+3. Double-Ring attention over the CP group -> ``(out, lse)``; with
+   ``document_ids`` / ``window``, the masked direct exchange (ops/masked.py).
 4. SeqAlltoAll back: ``out`` to ``(B, H, S/sp, D)``.
 
 Everything is a traceable op (custom ops with fake kernels and autograd), so
@@ -19,19 +20,32 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 from loong_compile.data import check_sequence_length
 from loong_compile.errors import LoongMeshError, LoongShapeError
+from loong_compile.layout import head_violation, inner_ring_violation
 from loong_compile.ops.alltoall import seq_all_to_all
+from loong_compile.ops.masked import masked_attention_fwd
 from loong_compile.ops.ring import ring_attention_fwd
 
 
 def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: float | None = None,
                  hp: int = 1, cp: int = 1, inner_ring: int = 1, hp_group: str = "",
                  kv_inner_group: str = "", kv_outer_group: str = "", dkv_inner_group: str = "",
-                 dkv_outer_group: str = "", return_lse: bool = False, enable_gqa: bool = True):
+                 dkv_outer_group: str = "", return_lse: bool = False, enable_gqa: bool = True,
+                 document_ids: Tensor | None = None, window: int | None = None):
     """Distributed exact attention of this rank's tokens; ``(B, H, S/sp, D)`` like ``q``.
+
+    Masks (docs/attention.md, "Masked attention"): ``document_ids`` ``(B, S)``
+    integer ids of the GLOBAL sequence in global order, the same on every rank
+    (``sequence_document_ids`` builds them): query ``i`` sees key ``j`` only if
+    ``document_ids[b, i] == document_ids[b, j] >= 0`` (negative = padding, which
+    sees and is seen by nothing).  ``window``: with ``is_causal``, key ``j`` is
+    seen only if ``i - j < window`` (transformers' sliding window).  A row that
+    sees no key returns zeros (LSE ``-inf``).  With either given, the CP step is
+    the masked direct exchange of ops/masked.py instead of the Double-Ring.
 
     K/V may have fewer heads than q (GQA).  ``enable_gqa=False`` is SDPA's:
     K/V have q's head count or one head (which broadcasts); any other count
@@ -45,6 +59,10 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: flo
     check_attention_inputs(q, k, v, hp=hp, cp=cp, inner_ring=inner_ring, enable_gqa=enable_gqa)
     ring_groups = (kv_inner_group, kv_outer_group, dkv_inner_group, dkv_outer_group)
     check_group_names(hp, cp, inner_ring, hp_group, ring_groups)
+    seq_len = q.size(2) * hp * cp
+    check_mask_inputs(document_ids, window, is_causal, q, seq_len)
+    if window is not None and window >= seq_len:
+        window = None
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     kv_heads = k.size(1)
     if hp > kv_heads:  # LoongTrain §4.2: one KV head per HP rank
@@ -52,7 +70,13 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: flo
         v = v.repeat_interleave(hp // kv_heads, dim=1)
     if hp > 1:
         q, k, v = seq_all_to_all([q, k, v], 1, 2, hp, hp_group)
-    out, lse = ring_attention_fwd(q, k, v, is_causal, scale, cp, inner_ring, *ring_groups)
+    if document_ids is None and window is None:
+        out, lse = ring_attention_fwd(q, k, v, is_causal, scale, cp, inner_ring, *ring_groups)
+    else:
+        if document_ids is None:
+            document_ids = q.new_zeros((q.size(0), seq_len), dtype=torch.int64)
+        out, lse = masked_attention_fwd(q, k, v, document_ids.to(torch.int64), is_causal,
+                                        window or 0, scale, cp, dkv_outer_group)
     if hp > 1:
         (out,) = seq_all_to_all([out], 2, 1, hp, hp_group)
         if return_lse:
@@ -91,25 +115,41 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, hp: int, cp: int,
         raise LoongShapeError(f"{heads} query heads with {kv_heads} KV heads and enable_gqa=False",
                               "without GQA, K/V have the query heads or one head, as in SDPA",
                               "pass enable_gqa=True, or repeat the KV heads to the query heads")
-    if heads % kv_heads:
-        raise LoongShapeError(f"{heads} query heads with {kv_heads} KV heads",
-                              "the query heads are a multiple of the KV heads (GQA groups)",
-                              "use a KV head count that divides the query heads")
-    if heads % hp:
-        raise LoongShapeError(f"{heads} query heads with hp={hp}",
-                              "head parallelism splits the query heads evenly: H % hp == 0",
-                              f"choose hp dividing {heads}")
-    if kv_heads % hp and hp % kv_heads:
-        raise LoongShapeError(f"{kv_heads} KV heads with hp={hp}",
-                              "either H_kv % hp == 0 (KV heads split) or hp % H_kv == 0 "
-                              "(each KV head replicated hp/H_kv times, LoongTrain §4.2)",
-                              f"choose hp dividing {kv_heads} or a multiple of it")
-    if cp % inner_ring:
-        raise LoongMeshError(f"inner_ring={inner_ring} with cp={cp}",
-                             "the inner ring size w must divide d_cp",
+    violation = head_violation(heads, kv_heads, hp)
+    if violation:
+        raise LoongShapeError(*violation)
+    violation = inner_ring_violation(cp, inner_ring)
+    if violation:
+        raise LoongMeshError(violation.what, violation.rule,
                              "build the arguments with "
                              "loong_compile.init_mesh(...).attention_kwargs()")
     check_sequence_length(seq * hp * cp, cp, hp)
+
+
+def check_mask_inputs(document_ids: Tensor | None, window: int | None, is_causal: bool,
+                      q: Tensor, seq_len: int) -> None:
+    """Raise ``LoongShapeError`` unless the masks fit the global ``(B, S)`` sequence."""
+    if window is not None:
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise LoongShapeError(f"window={window!r}", "a sliding window is a positive number "
+                                  "of tokens", "pass an int >= 1, or window=None for none")
+        if not is_causal:
+            raise LoongShapeError(f"window={window} with is_causal=False",
+                                  "a sliding window looks back only: it needs is_causal=True",
+                                  "pass is_causal=True (or express the mask as document_ids)")
+    if document_ids is None:
+        return
+    want = (q.size(0), seq_len)
+    if document_ids.dtype.is_floating_point or document_ids.dtype == torch.bool or \
+            tuple(document_ids.shape) != want:
+        raise LoongShapeError(f"document_ids of shape {tuple(document_ids.shape)} and dtype "
+                              f"{document_ids.dtype}",
+                              f"document_ids are integer ids (B, S) = {want} of the whole "
+                              "sequence in global order, the same on every rank",
+                              "build them with loong_compile.ops.sequence_document_ids")
+    if document_ids.device != q.device:
+        raise LoongShapeError(f"document_ids on {document_ids.device}, q on {q.device}",
+                              "document_ids live on q's device", f"move them to {q.device}")
 
 
 def check_group_names(hp: int, cp: int, inner_ring: int, hp_group: str,

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from loong_compile._compat import resolve_process_group
+from loong_compile.ops.exposure import blocking
 
 _BYTES = {"all_to_all": 0, "p2p": 0}
 
@@ -46,9 +47,35 @@ class Exchange:
         return self._received
 
 
+class DirectExchange:
+    """Tensors sent straight to several peers of one group, and tensors received from several,
+    all posted at once (masked 2D-Attention's exchange instead of a ring).
+
+    ``sends``: peer -> tensor; ``receives``: peer -> tensor to fill (shape and dtype known
+    from the plan).  ``tag`` separates two exchanges between the same pair in flight at once.
+    """
+
+    def __init__(self, group_name: str, sends: dict[int, torch.Tensor],
+                 receives: dict[int, torch.Tensor], tag: int = 0):
+        self._received = receives
+        ops = [dist.P2POp(dist.isend, t, group=group(group_name), group_peer=peer, tag=tag)
+               for peer, t in sends.items()]
+        ops += [dist.P2POp(dist.irecv, t, group=group(group_name), group_peer=peer, tag=tag)
+                for peer, t in receives.items()]
+        self._works = dist.batch_isend_irecv(ops) if ops else []
+        _BYTES["p2p"] += sum(t.numel() * t.element_size() for t in sends.values())
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        """The received tensors, once every transfer completed (may be called again)."""
+        while self._works:  # a gloo work waited on twice never returns
+            self._works.pop().wait()
+        return self._received
+
+
 def all_to_all(send: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
     """``all_to_all_single`` of equal splits along dim 0; counts the bytes leaving this rank."""
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group(group_name))
+    with blocking("all_to_all", -1, send.device):    # synchronous: all of it is exposed
+        dist.all_to_all_single(received, send, group=group(group_name))
     _BYTES["all_to_all"] += send.numel() * send.element_size() * (group_size - 1) // group_size
     return received

@@ -23,6 +23,13 @@ Kernels, chosen per call:
   ``aten._scaled_dot_product_flash_attention`` (KV expanded locally for GQA).
 * anything else (CUDA float32/float64): an exact matmul implementation that
   materialises the ``S_q × S_k`` scores of one block.
+
+A boolean block ``mask`` (masked 2D-Attention, ops/masked.py) goes to the CPU
+kernel as an additive mask, and on CUDA to the exact matmul implementation
+(flash-attn's varlen / ``window_size`` kernels are not wired in yet).  The
+adapter owns the empty-row contract: a row with no allowed key returns
+``out = 0``, ``lse = -inf`` and zero gradients (the CPU kernel itself reports
+``lse = 0`` for such rows).
 """
 
 from __future__ import annotations
@@ -48,14 +55,26 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool,
-                      scale: float) -> tuple[Tensor, Tensor]:
-    return _kernel(q)[0](*_contiguous(q, k, v), is_causal, scale)
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: float,
+                      mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(out, lse)``; with a boolean ``mask`` (True = allowed, broadcast to ``(B, H, S_q, S_k)``)
+    a row with no allowed key gives ``out = 0`` and ``lse = -inf``."""
+    if mask is None:
+        return _kernel(q)[0](*_contiguous(q, k, v), is_causal, scale)
+    out, lse = _masked_kernel(q)[0](*_contiguous(q, k, v), mask, scale)
+    return out, lse.masked_fill(~mask.any(-1), -math.inf)
 
 
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-                       is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    return _kernel(q)[1](*_contiguous(dout, q, k, v, out, lse), is_causal, scale)
+                       is_causal: bool, scale: float,
+                       mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)``; with ``mask``, rows whose ``lse`` is ``-inf`` (no key anywhere) get
+    zero gradients."""
+    if mask is None:
+        return _kernel(q)[1](*_contiguous(dout, q, k, v, out, lse), is_causal, scale)
+    # such a row's keys are all masked here, so any finite lse gives it probabilities 0
+    lse = lse.masked_fill(torch.isinf(lse), 0.0)
+    return _masked_kernel(q)[1](*_contiguous(dout, q, k, v, out, lse), mask, scale)
 
 
 def _contiguous(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -75,6 +94,27 @@ def _kernel(q: Tensor):
             return _flash_attn_forward, _flash_attn_backward, "flash_attn"
         return _cuda_forward, _cuda_backward, "aten_flash_cuda"
     return _math_forward, _math_backward, "math"
+
+
+def _masked_kernel(q: Tensor):
+    """Kernels that take a boolean mask: the CPU flash kernel (as an additive mask), else the
+    exact matmul path (CUDA's flash kernels take no arbitrary mask)."""
+    if q.device.type == "cpu":
+        return _cpu_masked_forward, _cpu_masked_backward
+    return _math_forward, _math_backward
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
+
+
+def _cpu_masked_forward(q, k, v, mask, scale):
+    return sdpa_flash_cpu(q, k, v, False, scale, attn_mask=_additive(mask, q.dtype))
+
+
+def _cpu_masked_backward(dout, q, k, v, out, lse, mask, scale):
+    return sdpa_flash_cpu_backward(dout, q, k, v, out, lse, False, scale,
+                                   attn_mask=_additive(mask, q.dtype))
 
 
 # --- GQA for kernels that want as many KV heads as Q heads -------------------
@@ -155,26 +195,32 @@ def _flash_attn_backward(dout, q, k, v, out, lse, is_causal, scale):
 
 # --- exact fallback -----------------------------------------------------------
 
-def _math_probabilities(q, k, lse, is_causal, scale):
-    """Scaled scores (accumulation dtype, KV expanded) and, given ``lse``, the probabilities."""
+def _math_probabilities(q, k, lse, mask, scale):
+    """Scaled scores (accumulation dtype, KV expanded) and, given ``lse``, the probabilities.
+
+    ``mask``: True = causal, False = none, or a boolean tensor of allowed pairs.  A row with
+    no allowed key gets probabilities 0 and ``lse = -inf``."""
     acc = accumulation_dtype(q.dtype)
     scores = q.to(acc) @ _expand_kv(q, k).to(acc).transpose(-1, -2) * scale
-    if is_causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, -math.inf)
+    if mask is True:
+        scores = scores.masked_fill(
+            torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    elif mask is not False:
+        scores = scores.masked_fill(~mask, -math.inf)
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse.unsqueeze(-1)), lse
+    finite = lse.masked_fill(torch.isinf(lse), 0.0)
+    return torch.exp(scores - finite.unsqueeze(-1)), lse
 
 
-def _math_forward(q, k, v, is_causal, scale):
-    probs, lse = _math_probabilities(q, k, None, is_causal, scale)
+def _math_forward(q, k, v, mask, scale):
+    probs, lse = _math_probabilities(q, k, None, mask, scale)
     out = probs @ _expand_kv(q, v).to(probs.dtype)
     return out.to(q.dtype), lse
 
 
-def _math_backward(dout, q, k, v, out, lse, is_causal, scale):
-    probs, _ = _math_probabilities(q, k, lse, is_causal, scale)
+def _math_backward(dout, q, k, v, out, lse, mask, scale):
+    probs, _ = _math_probabilities(q, k, lse, mask, scale)
     acc = probs.dtype
     dout_acc = dout.to(acc)
     dv = probs.transpose(-1, -2) @ dout_acc

@@ -1,10 +1,18 @@
 """Host offload ops: a saved activation goes to host memory in the forward and comes back
 for the backward (MEMO §4.1; emitted by ``passes/offload.py``).
 
-``torch.ops.loong.offload(x) -> h``           start copying ``x`` to host memory
-``torch.ops.loong.reload(h, device) -> y``    start copying ``h`` back to ``device``
-``torch.ops.loong.wait_tensor(t, keepalive)``  wait until the copy that produced ``t`` is done;
-                                               returns ``t`` itself (an alias)
+``torch.ops.loong.offload(x) -> h``                  start copying ``x`` to host memory
+``torch.ops.loong.reload(h, device, after) -> y``    start copying ``h`` back to ``device``
+``torch.ops.loong.wait_tensor(t, keepalive, after, layer)``  wait until the copy that
+                                        produced ``t`` is done; returns ``t`` itself (an alias)
+
+``after`` (optional, never read) is a data dependency on the compute the op must follow:
+the wait of an offload comes after the next layer's last matmul, a prefetch after the
+backward of the layer above the one before it.  No scheduler reorders an op before its
+inputs, so Inductor's ``reorder_for_peak_memory`` cannot pull a wait up next to its copy
+(it did: every forward wait sat right after its offload) nor a prefetch up to the start
+of the backward.  ``layer`` (the swapped layer whose tensor it is) only labels the time the
+wait blocks the compute stream, recorded inside ``ops.exposure.recording()``.
 
 On CUDA the copies run on one side stream per device into pinned host buffers, and the
 compute stream waits on the copy's event in ``wait_tensor``: the forward computes on while
@@ -27,6 +35,7 @@ import torch
 from torch.fx import has_side_effect
 
 from loong_compile._compat import cudagraph_unsafe_tags
+from loong_compile.ops.exposure import blocking
 
 # One side stream per CUDA device, and the event of every copy in flight, keyed by the
 # data pointer of the copy's destination (what ``wait_tensor`` receives).
@@ -70,15 +79,16 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("loong::reload", mutates_args=(),
                          tags=cudagraph_unsafe_tags())
-def reload(h: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of host tensor ``h`` on ``device``.  It is allocated on the compute stream (the
-    caching allocator's owner) and written by the side stream."""
+def reload(h: torch.Tensor, device: torch.device, after: torch.Tensor | None = None) -> torch.Tensor:
+    """A copy of host tensor ``h`` on ``device``, started after ``after`` exists.  It is
+    allocated on the compute stream (the caching allocator's owner) and written by the side
+    stream."""
     out = torch.empty_like(h, device=device)
     return _copy(h, out, out.device if out.device.type == "cuda" else None)
 
 
 @reload.register_fake
-def _(h: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _(h: torch.Tensor, device: torch.device, after: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(h, device=device)
 
 
@@ -86,20 +96,25 @@ def _(h: torch.Tensor, device: torch.device) -> torch.Tensor:
 # aliasing schema instead.  CompositeExplicitAutograd: one kernel for the mixed-device
 # arguments (a host tensor and its CUDA keepalive).
 _lib = torch.library.Library("loong", "FRAGMENT")
-_lib.define("wait_tensor(Tensor(a) tensor, Tensor? keepalive=None) -> Tensor(a)")
+_lib.define("wait_tensor(Tensor(a) tensor, Tensor? keepalive=None, Tensor? after=None, int layer=-1) "
+            "-> Tensor(a)")
 
 
 @torch.library.impl(_lib, "wait_tensor", "CompositeExplicitAutograd")
-def _wait_tensor(tensor: torch.Tensor, keepalive: torch.Tensor | None = None) -> torch.Tensor:
+def _wait_tensor(tensor: torch.Tensor, keepalive: torch.Tensor | None = None,
+                 after: torch.Tensor | None = None, layer: int = -1) -> torch.Tensor:
     event = _in_flight.pop(tensor.data_ptr(), None)
     if event is not None:
         device = keepalive.device if keepalive is not None and keepalive.is_cuda else tensor.device
-        torch.cuda.current_stream(device).wait_event(event)
+        kind = "offload" if tensor.device.type == "cpu" else "reload"
+        with blocking(kind, layer, device):
+            torch.cuda.current_stream(device).wait_event(event)
     return tensor
 
 
 @torch.library.register_fake("loong::wait_tensor", lib=_lib)
-def _wait_tensor_fake(tensor: torch.Tensor, keepalive: torch.Tensor | None = None) -> torch.Tensor:
+def _wait_tensor_fake(tensor: torch.Tensor, keepalive: torch.Tensor | None = None,
+                      after: torch.Tensor | None = None, layer: int = -1) -> torch.Tensor:
     return tensor
 
 

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from loong_compile._compat import cudagraph_unsafe_tags
+from loong_compile.layout import ring_position
 from loong_compile.ops.comm import Exchange, group
 from loong_compile.ops.kernels import accumulation_dtype, attention_backward, attention_forward
 
@@ -58,7 +59,7 @@ def merge_partial(out: Tensor, lse: Tensor, block_out: Tensor,
 def ring_schedule(cp_rank: int, cp: int, inner_ring: int) -> list[tuple[int, int, int]]:
     """``(outer step, micro-step, CP rank whose KV block is held)`` in schedule order."""
     w, n_outer = inner_ring, cp // inner_ring
-    i, j = divmod(cp_rank, w)
+    i, j = ring_position(cp_rank, w)
     return [(o, s, ((i - o) % n_outer) * w + (j - s) % w) for o in range(n_outer) for s in range(w)]
 
 
@@ -72,7 +73,7 @@ class DoubleRing:
         self.dkv_inner, self.dkv_outer = dkv_inner, dkv_outer
         # dkv_outer spans the CP group in CP-rank order, so its rank is the CP rank
         self.rank = group(dkv_outer).rank() if cp > 1 else 0
-        self.i, self.j = divmod(self.rank, self.w)
+        self.i, self.j = ring_position(self.rank, self.w)
 
     def send_kv(self, kv: Tensor, *, outer: bool) -> Exchange:
         size, pos = (self.n_outer, self.i) if outer else (self.w, self.j)

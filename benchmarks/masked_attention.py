@@ -1,0 +1,148 @@
+"""Masked 2D-Attention: work and bytes per rank for packed documents and a sliding window.
+
+    torchrun --nproc-per-node 4 benchmarks/masked_attention.py [--seq 4096] [--hp 1]
+        [--heads 8] [--kv-heads 8] [--head-dim 64] [--iters 3]
+
+Three causal problems at the same S: dense (the Double-Ring), documents of
+mean length S/8 (random lengths, seeded) and a window of S/8 tokens.  Per
+rank: attention FLOPs executed (forward + backward, ``14·B·H·D`` per computed
+(query, key) pair: the cropped blocks the kernel runs, or for the ring the
+causal-skipping blocks of ops/ring.py), P2P bytes sent (forward + backward,
+from the ops' counters), and the ideal of each: the pairs the mask allows and
+the KV chunks of this rank that other ranks' allowed pairs read (sent as KV
+forward and backward, dK/dV back in the accumulation dtype).  The median
+fwd+bwd time (slowest rank) is beside them.  Asserts nothing: a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+from loong_compile.data import local_token_indices, mesh_token_indices
+from loong_compile.mesh import init_mesh
+from loong_compile.ops import attention_2d, comm_counters, reset_comm_counters
+from loong_compile.ops.kernels import accumulation_dtype
+from loong_compile.ops.mask_plan import key_intervals, mask_plan
+from loong_compile.ops.ring import block_plan
+
+from attention_2d import timed  # benchmarks/attention_2d.py: median of the slowest rank's times
+
+FLOPS_PER_PAIR = 14  # per (query, key) pair and head dim: 4 forward + 10 backward (recompute)
+
+
+def packed_documents(seq: int, mean: int, seed: int = 0) -> torch.Tensor:
+    """``(1, S)`` ids of documents with lengths uniform in [1, 2·mean-1] (mean ``mean``)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < seq:
+        lengths.append(int(torch.randint(1, 2 * mean, (1,), generator=gen)))
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return ids[:seq].unsqueeze(0)
+
+
+def ring_pairs(seq: int, cp: int, cp_rank: int) -> int:
+    """(query, key) pairs the causal Double-Ring computes on one CP rank (kernel skips above
+    the diagonal of its own block)."""
+    local, half = seq // cp, seq // (2 * cp)
+    pairs = 0
+    for owner in range(cp):
+        rows, cols, causal = block_plan(True, cp_rank, owner, half)
+        n_rows = len(range(local)[rows])
+        n_cols = len(range(local)[cols])
+        pairs += n_rows * (n_rows + 1) // 2 if causal else n_rows * n_cols
+    return pairs
+
+
+def masked_figures(ids: torch.Tensor, window: int | None, cp: int, cp_rank: int):
+    """(pairs computed, pairs allowed, KV columns of this rank sent, ideal KV columns sent)."""
+    plan = mask_plan(ids, True, window, cp)
+    computed = sum((b.rows[1] - b.rows[0]) * (b.cols[1] - b.cols[0])
+                   for b in plan.ranks[cp_rank].blocks) * ids.size(0)
+    lo, hi = key_intervals(ids, True, window)
+    rows = local_token_indices(ids.size(1), cp, 1, cp_rank, 0)
+    allowed = int((hi[:, rows] - lo[:, rows] + 1).clamp_min(0).sum())
+    columns = sum(stop - start for ranges in plan.serves(cp_rank).values()
+                  for start, stop in ranges)
+    chunk = ids.size(1) // (2 * cp)
+    chunk_plan = mask_plan(ids, True, window, cp, tiles_per_chunk=1)
+    ideal_columns = chunk * sum(len(ranges) for ranges in chunk_plan.serves(cp_rank).values())
+    return computed, allowed, columns, ideal_columns
+
+
+def run(args, mesh, ids, window):
+    gen = torch.Generator().manual_seed(1)
+    shape = (args.batch, args.heads, args.seq, args.head_dim)
+    kv_shape = (args.batch, args.kv_heads, args.seq, args.head_dim)
+    index = mesh_token_indices(args.seq, mesh)
+    q, k, v, dout = (torch.randn(s, generator=gen)[:, :, index].contiguous()
+                     for s in (shape, kv_shape, kv_shape, shape))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    sent = {}
+
+    def step():
+        reset_comm_counters()
+        out = attention_2d(*leaves, is_causal=True, document_ids=ids, window=window,
+                           **mesh.attention_kwargs())
+        torch.autograd.grad(out, leaves, dout)
+        sent["p2p"] = comm_counters()["p2p"]
+
+    step()
+    return 1e3 * timed(step, args.iters), sent["p2p"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--hp", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=3)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    mesh = init_mesh(hp=args.hp, cp=world // args.hp)
+    cp, cp_rank = mesh.cp, mesh.cp_rank
+    heads_per_rank = args.heads // args.hp
+    kv_per_rank = max(args.kv_heads, args.hp) // args.hp
+    per_pair = FLOPS_PER_PAIR * heads_per_rank * args.head_dim
+    elem = 4
+    column_bytes = 2 * args.batch * kv_per_rank * args.head_dim  # K and V, per element size
+    per_column = column_bytes * (2 * elem + accumulation_dtype(torch.float32).itemsize)
+    documents = packed_documents(args.seq, args.seq // 8).expand(args.batch, -1)
+    problems = {"dense causal": (None, None), "documents, mean S/8": (documents, None),
+                "window S/8": (None, args.seq // 8)}
+    rows = []
+    for name, (ids, window) in problems.items():
+        ms, sent = run(args, mesh, ids, window)
+        full_ids = torch.zeros(args.batch, args.seq, dtype=torch.long) if ids is None else ids
+        pairs, allowed, _, ideal_columns = masked_figures(full_ids, window, cp, cp_rank)
+        if ids is None and window is None:  # the Double-Ring ran, not the plan
+            pairs = ring_pairs(args.seq, cp, cp_rank) * args.batch
+        ideal_sent = per_column * ideal_columns
+        rows.append((name, cp_rank, pairs * per_pair, allowed * per_pair, sent, ideal_sent, ms))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if dist.get_rank() == 0:
+        docs = int(documents[0].max()) + 1
+        print(f"world={world} hp={args.hp} cp={cp} gloo S={args.seq} B={args.batch} "
+              f"H={args.heads} H_kv={args.kv_heads} D={args.head_dim} float32 causal; "
+              f"{docs} documents (mean {args.seq / docs:.0f} tokens); window {args.seq // 8}; "
+              f"median of {args.iters}")
+        print(f"{'problem':20s} {'rank':>4s} {'GFLOP':>8s} {'ideal':>8s} {'x':>5s} "
+              f"{'MB sent':>8s} {'ideal':>8s} {'x':>5s} {'fwd+bwd ms':>10s}")
+        for rank_rows in zip(*gathered):
+            for name, rank, flops, ideal, sent, ideal_sent, ms in rank_rows:
+                ratio = sent / ideal_sent if ideal_sent else float("nan")
+                print(f"{name:20s} {rank:4d} {flops / 1e9:8.3f} {ideal / 1e9:8.3f} "
+                      f"{flops / ideal:5.2f} {sent / 1e6:8.2f} {ideal_sent / 1e6:8.2f} "
+                      f"{ratio:5.2f} {ms:10.1f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The global document ids of a graph: one ``sequence_document_ids`` call for every masked call.
+
+A mask that ``passes/mask_proof.py`` proved to be documents and/or padding becomes the global
+``(B, S)`` document ids of ``loong_compile.ops.sequence_document_ids`` (one all-gather of the
+ranks' position ids and key padding per step).  The graph gets at most one such call per kind
+of ids, after its inputs, whatever the number of attention calls; calls inside
+higher-order-op bodies (activation checkpointing) receive the ids as an added operand.
+
+Kinds: documents from the position ids (with or without key padding), and padding alone (a
+mask that reads the attention mask but not the positions, as transformers builds whenever an
+attention mask is given): the same ids with every document number set to 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+from loong_compile.ops import sequence_document_ids
+from loong_compile.passes.mask_proof import PADDING, POSITIONS, MaskMeaning, MaskNotProven
+from loong_compile.passes.subgraphs import Scope, add_operand, parent_of
+
+
+class DocumentIds:
+    """Makes the document-ids nodes of one graph on demand, each once."""
+
+    def __init__(self, gm: torch.fx.GraphModule, scopes: list[Scope],
+                 inputs: dict[str, torch.fx.Node | None], mesh: Any):
+        self.gm, self.scopes, self.inputs, self.mesh = gm, scopes, inputs, mesh
+        self._made: dict[Any, torch.fx.Node] = {}
+        self._top_nodes: list[torch.fx.Node] = []
+
+    def for_call(self, meaning: MaskMeaning | None, scope: Scope) -> torch.fx.Node | None:
+        """The ids ``meaning`` needs, as a node of ``scope``'s graph; None for one document."""
+        if meaning is None or not (meaning.documents or meaning.padding):
+            return None
+        return self._in_scope(self._top(meaning.documents, meaning.padding), scope)
+
+    def summary(self) -> list[dict]:
+        """The nodes made in the top-level graph: what each computes, from which inputs."""
+        return [{"node": n.name, "computes": n.target.__name__,
+                 "inputs": [a.name for a in n.all_input_nodes]} for n in self._top_nodes]
+
+    def _top(self, documents: bool, padding: bool) -> torch.fx.Node:
+        key = (documents, padding)
+        if key in self._made:
+            return self._made[key]
+        positions = self.inputs.get(POSITIONS)
+        key_padding = self.inputs.get(PADDING) if padding else None
+        if padding and key_padding is None:
+            raise MaskNotProven("it reads a key padding that is no input of this graph")
+        if documents:
+            if positions is None:
+                raise MaskNotProven("its global version needs document ids, which come from the "
+                                    "position ids, and position_ids is no input of this graph")
+            node = self._ids(positions, key_padding)
+        else:  # padding alone: any numbering of documents, then every document number -> 0
+            numbered = positions if positions is not None else key_padding
+            node = self._call(torch.clamp, (self._ids(numbered, key_padding),), {"max": 0})
+        self._made[key] = node
+        return node
+
+    def _ids(self, positions: torch.fx.Node, key_padding: torch.fx.Node | None) -> torch.fx.Node:
+        key = ("ids", positions, key_padding)
+        if key not in self._made:
+            self._made[key] = self._call(sequence_document_ids, (positions, key_padding),
+                                         self.mesh.document_kwargs())
+        return self._made[key]
+
+    def _call(self, fn, args: tuple, kwargs: dict) -> torch.fx.Node:
+        graph = self.gm.graph
+        anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        after = [a for a in args if isinstance(a, torch.fx.Node) and a.op != "placeholder"]
+        if after:
+            anchor = after[-1]
+        with graph.inserting_after(anchor):
+            node = graph.call_function(fn, args, kwargs)
+        values = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in args]
+        fake = next(v for v in values if isinstance(v, torch.Tensor))
+        with fake.fake_mode:
+            node.meta["example_value"] = fn(*values, **kwargs)
+        self._top_nodes.append(node)
+        return node
+
+    def _in_scope(self, node: torch.fx.Node, scope: Scope) -> torch.fx.Node:
+        if scope.hop is None:
+            return node
+        key = ("in", id(scope.module), node)
+        if key not in self._made:
+            outer = self._in_scope(node, parent_of(scope, self.scopes))
+            self._made[key] = add_operand(scope, outer, node.name)
+        return self._made[key]

@@ -1,0 +1,321 @@
+"""Prove what an attention mask built inside the graph means: documents, padding, a window.
+
+transformers builds the ``attn_mask`` it hands to ``F.scaled_dot_product_attention`` from graph
+inputs only: the position ids (a new packed document wherever a position is not the previous
+one plus one, ``find_packed_sequence_indices``), the tokenizer's 2-D ``attention_mask``
+(padding), the config's sliding window and aranges of the (local) length.  Under hp*cp > 1 that
+mask covers only this rank's tokens, so the attention pass must replace it with the same
+structure over the global sequence; to do so it must know the structure.
+
+It does not trust names or op patterns for that.  It takes the mask's ancestors (the subgraph
+that computes it, followed into the callers of higher-order-op bodies), requires that subgraph's
+graph inputs to be the position ids and the attention mask (everything else a constant or made
+from constants), and runs it at compile time, on real tensors, on a designed set of probe inputs
+of the local length ``L`` (plain and offset positions, packed documents with boundaries at
+varied places including one-token documents, random positions; with an attention mask: left,
+right and random padding).  Each result is compared with every candidate
+
+    query i sees key j  iff  doc[i] == doc[j] >= 0  and (causal) j <= i  and (window) i - j < W
+
+where ``doc`` counts documents from the positions (or is 0 everywhere) and is -1 on padded keys
+(or ignores the attention mask).  Only the rows of real query tokens are compared: a padded
+query's output never reaches real tokens (nobody attends to it), and 2D-Attention gives it zeros.
+Exactly one candidate must match every probe, or the mask is refused (``MaskNotProven``, which
+the attention pass turns into its named error, with what the mask did instead).
+
+A window ``W >= L`` cannot be seen at length ``L``: the pass takes it from the module.
+The subgraph costs what transformers pays per forward to build its mask (``B x L x L`` booleans),
+once per probe batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import torch
+import torch.fx
+
+from loong_compile import _compat
+from loong_compile.passes.subgraphs import Scope, hop_name
+
+POSITIONS, PADDING = "position_ids", "attention_mask"
+
+
+class MaskNotProven(Exception):
+    """Why a mask is not provably document / padding / window structure (a sentence)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskMeaning:
+    causal: bool
+    documents: bool       # documents from the position ids
+    padding: bool         # keys where the attention mask is 0 are seen by nobody
+    window: int | None    # a window seen within the local length (None: none shorter than it)
+    probes: tuple[str, ...] = dataclasses.field(default=(), compare=False)  # the evidence
+
+    def describe(self) -> str:
+        parts = ["causal" if self.causal else "bidirectional"]
+        if self.documents:
+            parts.append("documents from position_ids")
+        if self.padding:
+            parts.append("key padding from attention_mask")
+        if self.window is not None:
+            parts.append(f"window {self.window}")
+        return ", ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    name: str
+    positions: torch.Tensor           # (L,)
+    padding: torch.Tensor | None      # (L,) bool, True = real token; None: no attention mask
+
+
+class Prover:
+    """Proves the masks of one graph, each once (layers share their mask)."""
+
+    def __init__(self, scopes: list[Scope], leaves: dict[torch.fx.Node, str]):
+        """``leaves``: the graph inputs a mask may read (placeholders of the top-level graph)
+        -> ``POSITIONS`` / ``PADDING``."""
+        self.outer = {ph: arg for scope in scopes for ph, arg in scope.operands.items()}
+        self.leaves = leaves
+        self._proven: dict[torch.fx.Node, MaskMeaning | MaskNotProven] = {}
+
+    def prove(self, mask: torch.fx.Node) -> MaskMeaning:
+        """What ``mask`` means, proven on probes; MaskNotProven says why not."""
+        while mask in self.outer:  # a body's operand: the caller's value
+            mask = self.outer[mask]
+        if mask not in self._proven:
+            try:
+                self._proven[mask] = self._prove(mask)
+            except MaskNotProven as e:
+                self._proven[mask] = e
+        found = self._proven[mask]
+        if isinstance(found, MaskNotProven):
+            raise found
+        return found
+
+    def _prove(self, mask: torch.fx.Node) -> MaskMeaning:
+        subgraph = _Subgraph(mask, self.outer, self.leaves)
+        length = _mask_length(mask)
+        probes = probe_inputs(length, PADDING in subgraph.roles)
+        results: list[tuple[Probe, torch.Tensor]] = []
+        for start in range(0, len(probes), subgraph.rows):
+            results += subgraph.evaluate(probes[start:start + subgraph.rows], length)
+        return choose(results, PADDING in subgraph.roles)
+
+
+def choose(results: list[tuple[Probe, torch.Tensor]], reads_padding: bool) -> MaskMeaning:
+    """The one candidate equal to every probe's mask (``(L, L)`` booleans), else MaskNotProven."""
+    plain = results[0][1]  # the first probe: positions 0..L-1, no padding
+    length = plain.shape[-1]
+    seen_last = int(plain[-1].sum())
+    windows = [None] + ([seen_last] if 0 < seen_last < length else [])
+    matching = []
+    for causal, documents, padding, window in itertools.product(
+            (True, False), (False, True), (False, True) if reads_padding else (False,), windows):
+        if window is not None and not causal:
+            continue
+        meaning = MaskMeaning(causal, documents, padding, window)
+        if all(_agrees(got, candidate_mask(p, meaning), p) for p, got in results):
+            matching.append(meaning)
+    names = tuple(p.name for p, _ in results)
+    if len(matching) == 1:
+        return dataclasses.replace(matching[0], probes=names)
+    if matching:
+        raise MaskNotProven(f"the probes ({', '.join(names)}) fit several structures "
+                            f"({'; '.join(m.describe() for m in matching)})")
+    raise MaskNotProven(_mismatch(results, windows))
+
+
+def candidate_mask(probe: Probe, meaning: MaskMeaning) -> torch.Tensor:
+    """``(L, L)`` booleans: which keys each query sees under ``meaning`` (the API13 rule)."""
+    positions = probe.positions
+    length = positions.shape[0]
+    docs = document_ids(positions) if meaning.documents else torch.zeros_like(positions)
+    if meaning.padding and probe.padding is not None:
+        docs = docs.masked_fill(~probe.padding, -1)
+    i = torch.arange(length)[:, None]
+    j = torch.arange(length)[None, :]
+    seen = (docs[:, None] == docs[None, :]) & (docs[None, :] >= 0)
+    if meaning.causal:
+        seen &= j <= i
+    if meaning.window is not None:
+        seen &= i - j < meaning.window
+    return seen
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """A new document wherever a position is not the previous one plus one (transformers')."""
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[1:] = positions[1:] != positions[:-1] + 1
+    return starts.long().cumsum(0) - 1
+
+
+def probe_inputs(length: int, with_padding: bool, seed: int = 0) -> list[Probe]:
+    """The designed probes of ``length`` tokens; the first is plain positions without padding."""
+    g = torch.Generator().manual_seed(seed)
+    arange = torch.arange(length)
+    sizes = itertools.cycle((1, 2, 3, 1, 5, 4))
+    packed, filled = [], 0
+    while filled < length:
+        size = min(next(sizes), length - filled)
+        packed.append(torch.arange(size))
+        filled += size
+    half = length // 2
+    positions = {
+        "plain": arange,
+        "offset": arange + 7,  # a rank in the middle of a document
+        "packed": torch.cat(packed),  # one-token documents, boundaries at varied places
+        "halves": torch.cat([torch.arange(half), torch.arange(length - half)]),
+        "last_alone": torch.cat([torch.arange(length - 1), torch.zeros(1, dtype=torch.long)]),
+        "random": torch.randint(0, max(length, 2), (length,), generator=g),
+    }
+    probes = [Probe(name, p, None) for name, p in positions.items()]
+    if not with_padding:
+        return probes
+    third = max(length // 3, 1)
+    real = torch.ones(length, dtype=torch.bool)
+    paddings = {
+        "left_padding": torch.cat([~real[:third], real[third:]]),
+        "right_padding": torch.cat([real[:length - third], ~real[length - third:]]),
+        "random_padding": torch.rand(length, generator=g) > 0.3,
+    }
+    probes = [Probe(p.name, p.positions, real) for p in probes]
+    for (pname, pos), (mname, pad) in itertools.product(
+            (("plain", arange), ("packed", positions["packed"]), ("random", positions["random"])),
+            paddings.items()):
+        probes.append(Probe(f"{pname}+{mname}", pos, pad))
+    return probes
+
+
+def _agrees(got: torch.Tensor, want: torch.Tensor, probe: Probe) -> bool:
+    rows = probe.padding if probe.padding is not None else slice(None)
+    return torch.equal(got[rows], want[rows])
+
+
+def _mismatch(results: list[tuple[Probe, torch.Tensor]], windows: list) -> str:
+    """What the mask did that no candidate does: its first differing row against the candidate
+    closest to it (fewest differing probes)."""
+    def misses(meaning):
+        return [(p, got) for p, got in results if not _agrees(got, candidate_mask(p, meaning), p)]
+
+    closest = min((MaskMeaning(c, d, pad, w) for c, d, pad, w in itertools.product(
+        (True, False), (False, True), (False, True), windows) if w is None or c),
+        key=lambda m: len(misses(m)))
+    probe, got = misses(closest)[0]
+    want = candidate_mask(probe, closest)
+    rows = torch.nonzero((got != want).any(-1) & (probe.padding if probe.padding is not None
+                                                  else torch.ones_like(got[:, 0])))
+    row = int(rows[0])
+    return (f"it is no document/padding/window structure of position_ids and attention_mask: on "
+            f"the probe {probe.name!r} query {row} sees keys {_keys(got[row])} where the closest "
+            f"structure ({closest.describe()}) gives {_keys(want[row])}")
+
+
+def _keys(row: torch.Tensor) -> str:
+    keys = torch.nonzero(row).flatten().tolist()
+    return str(keys) if len(keys) <= 8 else f"{keys[:8]}... ({len(keys)} keys)"
+
+
+def _mask_length(mask: torch.fx.Node) -> int:
+    value = mask.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        raise MaskNotProven("its shape is unknown")
+    q, k = value.shape[-2:]
+    if not (isinstance(q, int) and isinstance(k, int)):
+        raise MaskNotProven(f"its shape {tuple(value.shape)} is dynamic")
+    if q != k:
+        raise MaskNotProven(f"it is {q} queries x {k} keys (a cache or a prefix), not square")
+    if value.dtype != torch.bool:
+        raise MaskNotProven(f"it is an additive {value.dtype} mask; only boolean masks are "
+                            "proven")
+    return q
+
+
+class _Subgraph:
+    """The nodes that compute a mask, run as a function of the probe inputs."""
+
+    def __init__(self, mask: torch.fx.Node, outer: dict, leaves: dict[torch.fx.Node, str]):
+        self.mask, self.outer, self.leaves = mask, outer, leaves
+        self.roles: dict[str, torch.fx.Node] = {}
+        self._check(mask, set())
+        shapes = [tuple(n.meta["example_value"].shape) for n in self.roles.values()]
+        if any(len(s) != 2 for s in shapes):
+            raise MaskNotProven(f"it reads {', '.join(self.roles)} of shapes {shapes}, not "
+                                "(batch, tokens)")
+        # probes per run: one per row of the inputs (a one-row input: one probe per run)
+        self.rows = min([s[0] for s in shapes] or [1])
+
+    def _check(self, node: Any, seen: set) -> None:
+        """Every graph input the mask reads is a leaf; no op whose effect hides elsewhere."""
+        todo = [node]
+        while todo:
+            n = todo.pop()
+            if not isinstance(n, torch.fx.Node) or n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder":
+                if n in self.outer:
+                    todo.append(self.outer[n])
+                elif n in self.leaves:
+                    self.roles[self.leaves[n]] = n
+                else:
+                    raise MaskNotProven(f"it is computed from the graph input {n.name}, which is "
+                                        "neither position_ids nor the 2-D attention_mask")
+                continue
+            if n.op == "call_module" or hop_name(n) is not None \
+                    or "functorch" in (getattr(n.target, "__module__", None) or ""):
+                raise MaskNotProven(f"it is built by {n.name} ({n.target}), which the backend "
+                                    "does not evaluate on probes")
+            todo.extend(n.all_input_nodes)
+
+    def evaluate(self, chunk: list[Probe], length: int) -> list[tuple[Probe, torch.Tensor]]:
+        """``(probe, (L, L) mask)`` for each row of the mask, row ``b`` fed ``chunk[b % n]``."""
+        env: dict[torch.fx.Node, Any] = {}
+        for role, node in self.roles.items():
+            value = node.meta["example_value"]
+            rows = [chunk[b % len(chunk)] for b in range(value.shape[0])]
+            stacked = torch.stack([p.positions if role == POSITIONS else p.padding for p in rows])
+            env[node] = stacked.to(device=value.device, dtype=value.dtype)
+        with _compat.real_tensors(), torch.no_grad():
+            mask = self._run(self.mask, env)
+        if mask.dim() > 4 or tuple(mask.shape[-2:]) != (length, length):
+            raise MaskNotProven(f"it has shape {tuple(mask.shape)}")
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).cpu()
+        if not (mask == mask[:, :1]).all():
+            raise MaskNotProven("it differs between heads")
+        if mask.shape[0] < len(chunk):
+            raise MaskNotProven(f"it has {mask.shape[0]} row(s) for inputs of {len(chunk)}")
+        return [(chunk[b % len(chunk)], mask[b, 0]) for b in range(mask.shape[0])]
+
+    def _run(self, node: torch.fx.Node, env: dict) -> Any:
+        order, todo = [], [node]
+        while todo:  # depth first, inputs before users
+            n = todo[-1]
+            if n in env:
+                todo.pop()
+                continue
+            inputs = [self.outer[n]] if n.op == "placeholder" else n.all_input_nodes
+            pending = [a for a in inputs if a not in env]
+            if pending:
+                todo.extend(pending)
+                continue
+            todo.pop()
+            env[n] = self._value(n, env)
+        return env[node]
+
+    def _value(self, n: torch.fx.Node, env: dict) -> Any:
+        if n.op == "placeholder":
+            return env[self.outer[n]]
+        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+        if n.op == "get_attr":
+            value: Any = n.graph.owning_module
+            for part in n.target.split("."):
+                value = getattr(value, part)
+            return value
+        if n.op == "call_method":
+            return getattr(args[0], n.target)(*args[1:], **kwargs)
+        return n.target(*args, **kwargs)

@@ -1,0 +1,108 @@
+"""passes/mask_proof.py: transformers' own masks are proven to be documents / padding / windows;
+masks that are something else are refused with what they did (no process group needed)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import dynamo_graph
+from helpers import hf_masked_attention as hf_masked
+from loong_compile.passes.mask_proof import (
+    PADDING, POSITIONS, MaskMeaning, MaskNotProven, Probe, Prover, candidate_mask, probe_inputs)
+from loong_compile.passes.subgraphs import graph_scopes
+
+B, H, L, D = 2, 2, 16, 8
+
+
+def qkv():
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(B, H, L, D, generator=g) for _ in range(3))
+
+
+def proven(fn, *inputs, **kw_inputs) -> MaskMeaning:
+    gm = dynamo_graph(fn, *inputs, **kw_inputs)
+    (call,) = [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention
+               or n.target is torch._C._nn.scaled_dot_product_attention]
+    leaves = {n: n.name.removeprefix("l_").rstrip("_")
+              for n in gm.graph.find_nodes(op="placeholder")}
+    leaves = {n: role for n, role in leaves.items() if role in (POSITIONS, PADDING)}
+    return Prover(graph_scopes(gm), leaves).prove(call.kwargs["attn_mask"])
+
+
+POS = torch.arange(L).expand(B, -1)
+PAD = torch.ones(B, L, dtype=torch.long)
+
+
+@pytest.mark.parametrize("make,window,padded,want", [
+    ("create_causal_mask", None, False, MaskMeaning(True, True, False, None)),
+    ("create_causal_mask", None, True, MaskMeaning(True, False, True, None)),
+    ("create_sliding_window_causal_mask", 5, False, MaskMeaning(True, True, False, 5)),
+    ("create_sliding_window_causal_mask", 5, True, MaskMeaning(True, False, True, 5)),
+    ("create_sliding_window_causal_mask", 40, False, MaskMeaning(True, True, False, None)),
+])
+def test_transformers_masks_are_proven(make, window, padded, want):
+    kw = {"attention_mask": PAD} if padded else {}
+    meaning = proven(hf_masked(make, window), *qkv(), POS, **kw)
+    assert meaning == want
+    assert "packed" in meaning.probes and ("plain+left_padding" in meaning.probes) == padded
+
+
+def test_a_bidirectional_document_mask_is_proven():
+    def fn(q, k, v, position_ids):
+        starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+        docs = starts.cumsum(-1)
+        return F.scaled_dot_product_attention(q, k, v,
+                                              attn_mask=(docs[:, :, None] == docs[:, None, :])[:, None])
+    assert proven(fn, *qkv(), POS) == MaskMeaning(False, True, False, None)
+
+
+def _prefix_lm(q, k, v, position_ids):
+    i = torch.arange(L)
+    block = (i[:, None] < 4) & (i[None, :] < 4)  # bidirectional over a 4-token prefix
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(i[None, :] <= i[:, None]) | block)
+
+
+def _scrambled(q, k, v, position_ids):
+    mask = (position_ids[:, :, None] * 7 + position_ids[:, None, :]) % 3 == 0
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+
+
+def _user_mask(q, k, v, position_ids, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("fn,extra,words", [
+    (hf_masked("create_chunked_causal_mask", chunk=4), (), "query 4 sees keys [4]"),
+    (_prefix_lm, (), "query 0 sees keys [0, 1, 2, 3]"),
+    (_scrambled, (), "no document/padding/window structure"),
+    # a custom mask function (Gemma3's image tokens use one): transformers vmaps it
+    (hf_masked("create_causal_mask", or_mask_function=lambda b, h, i, j: j < 2), (),
+     "does not evaluate on probes"),
+    (_user_mask, (torch.ones(L, L, dtype=torch.bool).tril(),), "neither position_ids nor"),
+    (lambda q, k, v, position_ids: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.zeros(L, L).masked_fill(torch.ones(L, L).triu(1) > 0, -1e9)),
+     (), "additive"),
+])
+def test_masks_of_other_structure_are_refused_with_what_they_do(fn, extra, words):
+    with pytest.raises(MaskNotProven, match=words.replace("[", r"\[").replace("]", r"\]")):
+        proven(fn, *qkv(), POS, *extra)
+
+
+def test_probes_cover_boundaries_one_token_documents_and_padding():
+    probes = {p.name: p for p in probe_inputs(L, with_padding=True)}
+    assert torch.equal(probes["plain"].positions, torch.arange(L))
+    packed = probes["packed"].positions
+    starts = torch.nonzero(packed == 0).flatten().tolist()
+    assert 0 in starts and 1 in starts and len(starts) > 4   # a one-token document first
+    assert probes["last_alone"].positions[-1] == 0
+    assert not probes["plain+left_padding"].padding[0] and not probes["plain+right_padding"].padding[-1]
+
+
+def test_candidate_mask_is_the_api_rule():
+    pos = torch.tensor([0, 1, 2, 0, 1, 0, 1, 2])
+    pad = torch.tensor([False, True, True, True, True, True, True, False])
+    seen = candidate_mask(Probe("t", pos, pad), MaskMeaning(True, True, True, 2))
+    i, j = torch.meshgrid(torch.arange(8), torch.arange(8), indexing="ij")
+    docs = torch.tensor([-1, 0, 0, 1, 1, 2, 2, -1])
+    want = (docs[i] == docs[j]) & (docs[j] >= 0) & (j <= i) & (i - j < 2)
+    assert torch.equal(seen, want)
