@@ -168,6 +168,39 @@ def resolve_process_group(group_name: str):
     return _resolve_process_group(group_name)
 
 
+# --- functional collectives (ops/alltoall.py, backend.py) ------------------------
+
+def all_to_all_start(x, group_name: str, group_size: int):
+    """``_c10d_functional.all_to_all_single`` of equal splits along dim 0: the exchange in
+    flight, to be finished by ``collective_wait``.  In a compiled graph Inductor sees the
+    start and the wait as two nodes it can schedule apart.  Checked against torch 2.11-2.15."""
+    splits = [x.size(0) // group_size] * group_size
+    return torch.ops._c10d_functional.all_to_all_single(x, splits, splits, group_name)
+
+
+def collective_wait(x):
+    """``_c10d_functional.wait_tensor``: the finished result of a functional collective."""
+    return torch.ops._c10d_functional.wait_tensor(x)
+
+
+def is_tracing() -> bool:
+    """Whether ops run under a tracer (Dynamo, AOTAutograd's fake or proxy modes) rather than
+    on real tensors: the functional collectives' own test, so byte counters count only real
+    traffic.  Checked against torch 2.13."""
+    from torch.distributed._functional_collectives import _are_we_tracing
+
+    return _are_we_tracing()
+
+
+def comm_overlap_patches() -> dict:
+    """Inductor options, scoped to one compile, that schedule each functional collective's
+    start as early as its input allows and its wait as late as its first use allows (Inductor's
+    own ``raise_comms`` and ``sink_waits``).  Without them the generated code keeps a
+    collective's wait wherever the graph put it.  Checked against torch 2.11-2.15."""
+    return {"reorder_for_compute_comm_overlap": True,
+            "reorder_for_compute_comm_overlap_passes": ["sink_waits"]}
+
+
 # --- Dynamo: the module being compiled (passes/model_facts.py) -------------------
 
 def dynamo_frame_self():

@@ -215,6 +215,8 @@ class _GraphCompile:
         patches: dict[str, Any] = {
             "custom_partitioner_fn": _compat.LoongPartitioner(self.partition, key),
             "post_grad_custom_post_pass": _compat.LoongPostGrad(self._post_grad, key),
+            # the SeqAlltoAll's starts as early and its waits as late as the graph allows
+            **_compat.comm_overlap_patches(),
         }
         if self.active["inductor"]:
             patches.update(_compat.pool_planning_patches(self._plan_memory, key))

@@ -12,6 +12,7 @@ def library_passes() -> list:
     from loong_compile.passes.activations import ActivationsPass
     from loong_compile.passes.attention_2d import Attention2DPass
     from loong_compile.passes.checkpoint import SelectiveCheckpointPass
+    from loong_compile.passes.comm_overlap import CommOverlapPass
     from loong_compile.passes.memory_plan import MemoryPlanPass
     from loong_compile.passes.offload import OffloadPass
     from loong_compile.passes.recompute import TokenSliceRecomputePass
@@ -24,5 +25,6 @@ def library_passes() -> list:
         ActivationsPass(),
         TokenSliceRecomputePass(),
         OffloadPass(),
+        CommOverlapPass(),
         MemoryPlanPass(),
     ]

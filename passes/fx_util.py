@@ -52,7 +52,8 @@ def is_attention(node: torch.fx.Node, ops: frozenset | None = None) -> bool:
 # Ops that communicate: running one again in the backward would replay the collective (and
 # every rank would have to replay it alike).  By name, like the attention ops.
 COLLECTIVE_NAMESPACES = ("_c10d_functional",)
-COLLECTIVE_OP_NAMES = ("loong.seq_all_to_all", "loong.ring_attention_fwd", "loong.ring_attention_bwd")
+COLLECTIVE_OP_NAMES = ("loong.ring_attention_fwd", "loong.ring_attention_bwd",
+                       "loong.masked_attention_fwd", "loong.masked_attention_bwd")
 
 
 def is_collective(node: torch.fx.Node) -> bool:

@@ -35,8 +35,8 @@ import torch.fx
 from loong_compile.passes.activations import ActivationPlan, FollowsActivationPlan
 from loong_compile.passes.base import PassContext, SplitGraphs
 from loong_compile.passes.fx_util import (
-    base_of, first_in_order, getitem_users, insert_call, is_collective, is_random, nbytes, node_flops,
-    set_meta,
+    base_of, first_in_order, getitem_users, insert_call, is_collective, is_random, is_view, nbytes,
+    node_flops, set_meta,
 )
 from loong_compile.passes.saved_values import SavedValues
 from loong_compile.passes.token_rules import Step, TokenDim, analyse, is_tensor, shape_of
@@ -133,7 +133,8 @@ def input_token_dim(plan: ActivationPlan, layer: int, fw_nodes: list[Node]) -> t
         if size < 2:
             continue
         steps, _ = analyse(members, {x: TokenDim(d)}, size, identify=True)
-        if query in steps and steps[query].out == TokenDim(q_nd - 2):
+        # under hp > 1 the query's sequence dim holds hp ranks' tokens (outer = hp)
+        if query in steps and steps[query].out is not None and steps[query].out.dim == q_nd - 2:
             found.append(d)
     if len(found) != 1:
         return (f"the layer input's sequence dimension is unknown: {len(found)} of its dims lead to the "
@@ -142,14 +143,25 @@ def input_token_dim(plan: ActivationPlan, layer: int, fw_nodes: list[Node]) -> t
 
 
 def _exchanged_back(attention_outs: set[Node]) -> set[Node]:
-    """The results of the collectives that take an attention output (hp > 1: the SeqAlltoAll
-    that brings ``out`` back to this rank's tokens)."""
-    found = set()
-    for out in attention_outs:
-        for user in out.users:
+    """The results of the collectives an attention output reaches through layout ops (hp > 1:
+    the SeqAlltoAll's wait that brings ``out`` back to this rank's tokens, packed
+    ``(hp, B, H/hp, s, D)``)."""
+    found, seen = set(), set()
+    stack = list(attention_outs)
+    while stack:
+        for user in stack.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
             if is_collective(user):
-                found |= set(getitem_users(user)) or {user}
+                waits = {u for u in user.users if is_collective(u)}     # a start's wait
+                found |= waits or set(getitem_users(user)) or {user}
+            elif is_view(user) or user.target in _LAYOUT_COPIES:
+                stack.append(user)
     return found
+
+
+_LAYOUT_COPIES = (aten.clone.default, aten.contiguous.default)
 
 
 def region(targets: list[Node], stop: Callable[[Node], bool], order: dict[Node, int]) -> list[Node]:
@@ -237,9 +249,11 @@ class TokenSliceRecomputePass(FollowsActivationPlan):
                 if shape_of(att.args[0])[-2] == s:    # the attention sees this layer's tokens
                     token_roots |= {o: TokenDim(2) for o in getitem_users(att)
                                     if is_tensor(o) and len(shape_of(o)) >= 3 and shape_of(o)[2] == s}
-            # under hp > 1: the attention's out exchanged back to this rank's tokens, (B, H, s, D)
-            token_roots |= {o: TokenDim(2) for o in attention_outs if is_collective(o)
-                            and is_tensor(o) and len(shape_of(o)) >= 3 and shape_of(o)[2] == s}
+            # under hp > 1: the attention's out exchanged back to this rank's tokens, whose
+            # sequence dim is -2 ((hp, B, H/hp, s, D) as it arrives)
+            token_roots |= {o: TokenDim(len(shape_of(o)) - 2) for o in attention_outs
+                            if is_collective(o) and is_tensor(o) and len(shape_of(o)) >= 3
+                            and shape_of(o)[-2] == s}
         steps, failures = analyse(region(others, stop, order), token_roots, s) if token_roots else ({}, {})
         sliced, full = [], []
         for b in others:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from loong_compile.passes.fx_util import is_random
+from loong_compile.passes.fx_util import is_collective, is_random
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -235,14 +235,6 @@ RULES: dict[Any, Callable[[Node, Callable, int], Step]] = {
     aten.cat: _cat, aten.mm: _matmul, aten.addmm: _matmul, aten.bmm: _matmul,
     aten.embedding: _embedding, aten.native_layer_norm: _layer_norm,
 }
-
-
-COLLECTIVES = ("loong.seq_all_to_all",)
-
-
-def is_collective(node: Node) -> bool:
-    return (getattr(node.target, "namespace", None) == "_c10d_functional"
-            or str(getattr(node.target, "overloadpacket", "")) in COLLECTIVES)
 
 
 def token_step(node: Node, tok: Callable[[Node], TokenDim | None], s: int, identify: bool = False) -> Step:

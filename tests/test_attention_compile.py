@@ -1,5 +1,8 @@
 """The 2D-Attention ops are traceable: opcheck, make_fx, torch.compile(fullgraph=True).
 
+The ring ops are custom ops (opcheck); the SeqAlltoAll is functional collectives
+(``_c10d_functional.all_to_all_single`` + ``wait_tensor``), one pair per tensor.
+
 One spawn of 4 gloo ranks runs every section; the tests read its results.
 """
 
@@ -13,7 +16,7 @@ import torch
 from helpers import Sections, section_results
 from loong_compile.data import mesh_token_indices
 from loong_compile.mesh import init_mesh
-from loong_compile.ops import attention_2d
+from loong_compile.ops import attention_2d, seq_all_to_all
 from loong_compile.testing import run_distributed
 
 MESHES = [dict(hp=2, cp=2, inner_ring=2, placement="context_first"),  # MHA, both collectives
@@ -31,30 +34,43 @@ def _inputs(mesh, heads, kv_heads, seq, dtype=torch.float64):
 
 
 def _op_counts(graph) -> Counter:
-    return Counter(n.target.name() for n in graph.nodes
-                   if n.op == "call_function" and getattr(n.target, "namespace", None) == "loong")
+    """Calls of our ops and of functional collectives, by qualified name (Dynamo's graphs
+    name an op by its packet, AOT's by its overload)."""
+    names = (getattr(getattr(n.target, "overloadpacket", n.target), "_qualified_op_name", "")
+             for n in graph.nodes if n.op == "call_function")
+    return Counter(name for name in names if name.startswith(("loong::", "_c10d_functional::")))
+
+
+def _exchanges(hp: int) -> dict:
+    """One all-to-all and one wait each for q, k, v and out forward; d_out, dq, dk, dv backward."""
+    return {"_c10d_functional::all_to_all_single": 8, "_c10d_functional::wait_tensor": 8} if hp > 1 else {}
 
 
 def _opcheck(mesh):
-    """torch.library.opcheck on each custom op with this mesh's groups (runs them for real)."""
+    """torch.library.opcheck on each custom op with this mesh's groups (runs them for real),
+    and the SeqAlltoAll undone by its reverse (what its backward relies on)."""
     kw = mesh.attention_kwargs()
     q, k, v, dout = _inputs(mesh, 4, 4, 16)
     q2, k2, v2 = (t.clone().requires_grad_() for t in (q, k, v))
     ring_groups = [kw[f"{kind}_group"]
                    for kind in ("kv_inner", "kv_outer", "dkv_inner", "dkv_outer")]
     ring_args = (True, 0.25, mesh.cp, mesh.inner_ring, *ring_groups)
-    results = {}
+    out, lse = torch.ops.loong.ring_attention_fwd(q, k, v, *ring_args)
+    results = {
+        "ring_attention_fwd": torch.library.opcheck(torch.ops.loong.ring_attention_fwd,
+                                                    (q2, k2, v2, *ring_args)),
+        "ring_attention_bwd": torch.library.opcheck(torch.ops.loong.ring_attention_bwd,
+                                                    (dout, q, k, v, out, lse, *ring_args)),
+    }
+    results = {name: {test: str(outcome) for test, outcome in r.items()}
+               for name, r in results.items()}
     if mesh.hp > 1:
-        results["seq_all_to_all"] = torch.library.opcheck(
-            torch.ops.loong.seq_all_to_all, ([q2, k2, v2], 1, 2, mesh.hp, kw["hp_group"]))
-    else:
-        out, lse = torch.ops.loong.ring_attention_fwd(q, k, v, *ring_args)
-        results["ring_attention_fwd"] = torch.library.opcheck(
-            torch.ops.loong.ring_attention_fwd, (q2, k2, v2, *ring_args))
-        results["ring_attention_bwd"] = torch.library.opcheck(
-            torch.ops.loong.ring_attention_bwd, (dout, q, k, v, out, lse, *ring_args))
-    return {name: {test: str(outcome) for test, outcome in r.items()}
-            for name, r in results.items()}
+        there = seq_all_to_all([q, k], 1, 2, mesh.hp, kw["hp_group"])
+        back = seq_all_to_all(there, 2, 1, mesh.hp, kw["hp_group"])
+        results["seq_all_to_all"] = {
+            "shape": "SUCCESS" if there[0].shape == (2, 4 // mesh.hp, 16 // mesh.cp, 16) else "FAIL",
+            "round_trip": "SUCCESS" if all(torch.equal(a, b) for a, b in zip(back, (q, k))) else "FAIL"}
+    return results
 
 
 def _compiled_vs_eager(mesh, backend, heads, kv_heads):
@@ -63,8 +79,9 @@ def _compiled_vs_eager(mesh, backend, heads, kv_heads):
     q, k, v, dout = _inputs(mesh, heads, kv_heads, 8 * mesh.sp)
     graphs = []
 
-    def recording(gm, example_inputs):  # Dynamo's graph, then run as is
-        graphs.append(_op_counts(gm.graph))
+    def recording(gm, example_inputs):  # Dynamo's graph (autograd.Function bodies inside), run as is
+        graphs.append(sum((_op_counts(m.graph) for m in gm.modules()
+                           if isinstance(m, torch.fx.GraphModule)), Counter()))
         return gm.forward
 
     def attention(q, k, v):
@@ -127,11 +144,9 @@ def test_opcheck_passes(four_ranks, tag):
 @pytest.mark.slow
 @pytest.mark.parametrize("tag", ["hp2cp2", "hp4cp1", "hp1cp4"])
 def test_joint_graph_has_each_op_once(four_ranks, tag):
-    hp = int(tag[2])
-    a2a = 4 if hp > 1 else 0  # q/k/v and out forward; their gradients backward
     for counts in section_results(four_ranks, f"make_fx {tag}"):
         assert counts == Counter({"loong::ring_attention_fwd": 1, "loong::ring_attention_bwd": 1,
-                                  **({"loong::seq_all_to_all": a2a} if a2a else {})})
+                                  **_exchanges(int(tag[2]))})
 
 
 @pytest.mark.slow
@@ -141,11 +156,10 @@ def test_fullgraph_compile_matches_eager(four_ranks, backend, tag):
     for result in section_results(four_ranks, f"{backend} {tag}"):
         assert max(result["errors"]) <= 1e-12, result["errors"]
         assert not any(result["zero_grads"])
-        if backend == "dynamo":  # one graph, the forward ops of one attention call
-            hp = int(tag[2])
+        if backend == "dynamo":  # one graph: one attention call, its autograd.Function bodies inside
             assert len(result["dynamo_ops"]) == 1
-            a2a = {"loong::seq_all_to_all": 2} if hp > 1 else {}
-            assert result["dynamo_ops"][0] == Counter({"loong::ring_attention_fwd": 1, **a2a})
+            assert result["dynamo_ops"][0] == Counter({"loong::ring_attention_fwd": 1,
+                                                       **_exchanges(int(tag[2]))})
 
 
 @pytest.mark.slow

@@ -1,11 +1,19 @@
-"""SeqAlltoAll over the head-parallel group (LoongTrain §4.1, Ulysses).
+"""SeqAlltoAll over the head-parallel group (LoongTrain §4.1, Ulysses), as functional
+collectives the compiler can schedule.
 
-``seq_all_to_all(xs, scatter_dim, gather_dim, ...)`` splits every tensor of
-``xs`` into ``group_size`` pieces along ``scatter_dim``, sends piece ``p`` to
-HP rank ``p`` and concatenates what arrives along ``gather_dim`` in HP-rank
-order.  Scattering heads (dim 1) and gathering the sequence (dim 2) turns
-``(B, H, S/sp, D)`` into ``(B, H/hp, S/cp, D)``; the opposite dims undo it,
-which is also the backward.  Several tensors travel in one collective.
+``seq_all_to_all(xs, scatter_dim, gather_dim, ...)`` splits every tensor of ``xs``
+into ``group_size`` pieces along ``scatter_dim``, sends piece ``p`` to HP rank ``p``
+and concatenates what arrives along ``gather_dim`` in HP-rank order.  Scattering
+heads (dim 1) and gathering the sequence (dim 2) turns ``(B, H, S/sp, D)`` into
+``(B, H/hp, S/cp, D)``; the opposite dims undo it, which is also the backward.
+
+Each tensor gets its own ``all_to_all_single`` start and its own wait (issue 14): in a
+compiled graph Inductor then starts q's exchange while k and v are still being
+projected and waits only where the ring needs the result (``_compat.comm_overlap_patches``).
+Packing is one strided view (``unflatten`` + ``movedim``) and unpacking its mirror, so
+Inductor fuses the copies into the kernels beside them; an eager call pays one copy each
+way.  The exchange is a permutation of pieces among ranks, so its gradient is the same
+exchange of the gradient's pieces (``_Exchange.backward``).
 """
 
 from __future__ import annotations
@@ -13,44 +21,50 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from loong_compile._compat import cudagraph_unsafe_tags
-from loong_compile.ops.comm import all_to_all
+from loong_compile import _compat
+from loong_compile.ops.comm import count_all_to_all
 
 
-def _exchanged_shape(shape, scatter_dim: int, gather_dim: int, group_size: int) -> list:
-    shape = list(shape)
-    shape[scatter_dim] //= group_size
-    shape[gather_dim] *= group_size
-    return shape
+class _Exchange(torch.autograd.Function):
+    """Start of the all-to-all of ``packed`` ``(group_size, ...)``; the result is in flight."""
+
+    @staticmethod
+    def forward(ctx, packed: Tensor, group_size: int, group_name: str) -> Tensor:
+        ctx.group_size, ctx.group_name = group_size, group_name
+        count_all_to_all(packed, group_size)
+        return _compat.all_to_all_start(packed, group_name, group_size)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        count_all_to_all(grad, ctx.group_size)
+        back = _compat.all_to_all_start(grad, ctx.group_name, ctx.group_size)
+        return _compat.collective_wait(back), None, None
 
 
-@torch.library.custom_op("loong::seq_all_to_all", mutates_args=(),
-                         tags=cudagraph_unsafe_tags())
+class _Wait(torch.autograd.Function):
+    """Wait for an exchange started by ``_Exchange``; the gradient passes through."""
+
+    @staticmethod
+    def forward(ctx, in_flight: Tensor) -> Tensor:
+        return _compat.collective_wait(in_flight)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
+
+
 def seq_all_to_all(xs: list[Tensor], scatter_dim: int, gather_dim: int, group_size: int,
                    group_name: str) -> list[Tensor]:
-    pieces = [x.chunk(group_size, scatter_dim) for x in xs]
-    # send buffer: for each destination, its piece of every tensor
-    send = torch.cat([p[dest].reshape(-1) for dest in range(group_size) for p in pieces])
-    received = all_to_all(send, group_name, group_size)
-    sizes = [p[0].numel() for p in pieces]
-    from_each_rank = [chunk.split(sizes) for chunk in received.split(sum(sizes))]
-    return [torch.cat([parts[t].view(p[0].shape) for parts in from_each_rank], dim=gather_dim)
-            for t, p in enumerate(pieces)]
-
-
-@seq_all_to_all.register_fake
-def _(xs, scatter_dim, gather_dim, group_size, group_name):
-    return [x.new_empty(_exchanged_shape(x.shape, scatter_dim, gather_dim, group_size)) for x in xs]
-
-
-def _setup_context(ctx, inputs, output):
-    _, ctx.scatter_dim, ctx.gather_dim, ctx.group_size, ctx.group_name = inputs
-
-
-def _backward(ctx, grads):
-    # the reverse exchange; autograd hands zeros (not None) for unused outputs
-    grad_xs = seq_all_to_all(grads, ctx.gather_dim, ctx.scatter_dim, ctx.group_size, ctx.group_name)
-    return grad_xs, None, None, None, None
-
-
-seq_all_to_all.register_autograd(_backward, setup_context=_setup_context)
+    """Exchange every tensor of ``xs``; all are started before the first is waited for."""
+    started = []
+    for x in xs:
+        # (group_size, ...): piece p of the scattered dim, destined for rank p, first
+        packed = x.unflatten(scatter_dim, (group_size, -1)).movedim(scatter_dim, 0).contiguous()
+        started.append(_Exchange.apply(packed, group_size, group_name))
+    out = []
+    for received in started:
+        # received[p] came from rank p; place it at position p of the gathered dim
+        arrived = _Wait.apply(received).movedim(0, gather_dim)
+        out.append(arrived.flatten(gather_dim, gather_dim + 1))
+    return out

@@ -1,17 +1,17 @@
-"""Point-to-point and all-to-all transfers of the 2D-Attention ops, with byte counters.
+"""Point-to-point transfers of the 2D-Attention ops and the byte counters of all their traffic.
 
-The counters live here because every byte the ops send goes through these two
-functions; they run inside the custom ops' eager implementations, so they
-count real traffic also when the ops sit in a compiled graph.
+Ring and masked-exchange bytes are counted in ``Exchange`` / ``DirectExchange``, which
+run inside the custom ops' eager implementations, so they count real traffic also when
+the ops sit in a compiled graph.  The SeqAlltoAll is a functional collective
+(ops/alltoall.py): its bytes are counted when it runs eagerly; in a compiled graph
+Inductor runs it, and the generated code, not this counter, shows it.
 """
-
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from loong_compile._compat import resolve_process_group
-from loong_compile.ops.exposure import blocking
+from loong_compile._compat import is_tracing, resolve_process_group
 
 _BYTES = {"all_to_all": 0, "p2p": 0}
 
@@ -72,10 +72,8 @@ class DirectExchange:
         return self._received
 
 
-def all_to_all(send: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
-    """``all_to_all_single`` of equal splits along dim 0; counts the bytes leaving this rank."""
-    received = torch.empty_like(send)
-    with blocking("all_to_all", -1, send.device):    # synchronous: all of it is exposed
-        dist.all_to_all_single(received, send, group=group(group_name))
-    _BYTES["all_to_all"] += send.numel() * send.element_size() * (group_size - 1) // group_size
-    return received
+def count_all_to_all(send: torch.Tensor, group_size: int) -> None:
+    """Count the bytes of an equal-split all-to-all of ``send`` that leave this rank (its own
+    piece stays).  Only real traffic: a traced call (compiling) counts nothing."""
+    if not is_tracing():
+        _BYTES["all_to_all"] += send.numel() * send.element_size() * (group_size - 1) // group_size

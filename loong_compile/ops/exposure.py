@@ -1,10 +1,11 @@
 """Exposed transfer and communication time, measured with CUDA events on the compute stream.
 
 What the compute stream spends blocked is what overlap failed to hide: a ``loong.wait_tensor``
-whose copy is still in flight, a synchronous exchange (``ops.comm.all_to_all``).  Inside
-``recording()``, each of them records a timing event on the current CUDA stream before and
-after it blocks; ``per_layer`` turns the pairs into milliseconds per layer and kind (a wait
-knows its layer from ``passes/offload.py``; an exchange is not attributed: layer -1).
+whose copy is still in flight.  Inside ``recording()``, each wait records a timing event on
+the current CUDA stream before and after it blocks; ``per_layer`` turns the pairs into
+milliseconds per layer and kind (a wait knows its layer from ``passes/offload.py``).  The
+SeqAlltoAll's waits are Inductor's ``wait_tensor`` (ops/alltoall.py), outside this record:
+a profiler trace shows them.
 
 Nothing is recorded outside ``recording()`` or off CUDA (a CPU copy is synchronous: there is
 no stream to block).  gpu-check's ``exposed_time`` check is the one user.
@@ -23,7 +24,7 @@ _records: list[tuple[int, str, Any, Any]] | None = None   # (layer, kind, start 
 
 @contextlib.contextmanager
 def recording() -> Iterator[list]:
-    """Record every blocking wait and exchange on CUDA while inside; yields the records."""
+    """Record every blocking wait on CUDA while inside; yields the records."""
     global _records
     previous, _records = _records, []
     try:

@@ -1,0 +1,96 @@
+"""Start each SeqAlltoAll as soon as its tensor exists, so Inductor overlaps it with compute.
+
+AOTAutograd traces the three exchanges of q, k and v where the model calls attention, after
+the last projection and RoPE: left there, every start is followed at once by its wait.
+Inductor keeps a functional collective's start where the graph puts it (its own
+``raise_comms`` would, but as a list scheduler it also delays host reloads next to their
+waits), and ``sink_waits`` (``_compat.comm_overlap_patches``) keeps each wait at its first
+use.  So this pass moves each start up, together with the layout ops that only feed it (the
+pack: view, permute, copy), to just after the latest of their other inputs: q's exchange
+then runs while k and v are projected, v's while RoPE runs.
+
+Stage ``post_grad`` (the graph Inductor lowers: forward, backward, inference), when
+``hp > 1``.  Matches: every ``_c10d_functional.all_to_all_single``.  Changes: graph order
+only, never a value.  Report: per graph, the starts and the nodes moved, and the graph nodes
+between each start and its wait before and after (the kernels Inductor then schedules
+between them are in the ``overlap`` record).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.fx
+
+from loong_compile.passes.fx_util import is_view
+
+_START = torch.ops._c10d_functional.all_to_all_single.default
+_COPIES = (torch.ops.aten.clone.default,)
+
+
+def _is_pack(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and (is_view(node) or node.target in _COPIES)
+
+
+def feeding_chain(start: torch.fx.Node) -> list[torch.fx.Node]:
+    """``start`` and the layout ops used only on the way to it, in graph order."""
+    chain = [start]
+    frontier = [start]
+    while frontier:
+        node = frontier.pop()
+        for a in node.all_input_nodes:
+            if a not in chain and _is_pack(a) and all(u in chain for u in a.users):
+                chain.append(a)
+                frontier.append(a)
+    order = {n: i for i, n in enumerate(start.graph.nodes)}
+    return sorted(chain, key=order.__getitem__)
+
+
+def _nodes_to_wait(start: torch.fx.Node) -> int | None:
+    """Graph nodes strictly between ``start`` and the first of its waits."""
+    waits = [u for u in start.users if u.op == "call_function"]
+    if not waits:
+        return None
+    count, node = 0, start.next
+    while node not in waits and node.op != "output":
+        count += 1
+        node = node.next
+    return count
+
+
+def raise_start(start: torch.fx.Node) -> int:
+    """Move ``start``'s chain up to just after its latest outside input; the nodes moved."""
+    moved = 0
+    for node in feeding_chain(start):
+        order = {n: i for i, n in enumerate(node.graph.nodes)}
+        inputs = node.all_input_nodes
+        if not inputs:
+            continue
+        latest = max(inputs, key=order.__getitem__)
+        if order[latest] + 1 < order[node]:
+            latest.append(node)
+            moved += 1
+    return moved
+
+
+class CommOverlapPass:
+    """Raise every SeqAlltoAll start to where its tensor is ready (``hp > 1``)."""
+
+    name: ClassVar[str] = "comm_overlap"
+    stage: ClassVar[str] = "post_grad"
+    requires: ClassVar[tuple[str, ...]] = ()
+    provides: ClassVar[tuple[str, ...]] = ()
+
+    def enabled(self, config: Any) -> bool:
+        return config.hp > 1
+
+    def run(self, graph: torch.fx.Graph, ctx: Any) -> dict[str, Any]:
+        starts = list(graph.find_nodes(op="call_function", target=_START))
+        before = [_nodes_to_wait(s) for s in starts]
+        moved = sum(raise_start(s) for s in starts)
+        graph.lint()
+        after = [_nodes_to_wait(s) for s in starts]
+        return {"matched": len(starts), "changed": sum(a != b for a, b in zip(after, before)),
+                "nodes_moved": moved,
+                "nodes_between_start_and_wait": {"before": before, "after": after}}
