@@ -6,7 +6,8 @@ The example Llama (examples/llama.py, its defaults: dim 128, 4 layers, 4 heads, 
 one sequence of ``--seq`` tokens, compiled by Inductor through the ``loong`` backend with
 ``dump_dir`` set (so the backend reads each graph's generated code: ``loong_compile.overlap``).
 Configurations: ``none``, ``sc++`` and ``memo`` on one rank, then ``memo`` on 4 gloo ranks at
-hp x cp = 2x2, 4x1 and 1x4 (``memo``: the given alpha, every layer swapped).
+hp x cp = 2x2, 4x1 and 1x4 (``memo``: the given alpha, every layer swapped), and ``none`` at
+2x2 (the all-to-alls without host copies).
 
 For every kind of asynchronous start (offload, reload, a functional collective) in the
 forward (fw) and backward (bw) code: how many starts, how many have no compute kernel
@@ -95,7 +96,7 @@ def main() -> None:
     memo = {"activations": "memo", "alpha": args.alpha, "resident_layers": 0}
     configs = [("none", 1, 1, 1, {"activations": "none"}), ("sc++", 1, 1, 1, {"activations": "sc++"}),
                ("memo", 1, 1, 1, memo), ("memo 2x2", 4, 2, 2, memo), ("memo 4x1", 4, 4, 1, memo),
-               ("memo 1x4", 4, 1, 4, memo)]
+               ("memo 1x4", 4, 1, 4, memo), ("none 2x2", 4, 2, 2, {"activations": "none"})]
     print(f"example Llama (dim 128, 4 layers, 4/2 heads), seq {args.seq}, memo alpha {args.alpha} "
           f"with every layer swapped, Inductor, {args.steps} timed steps")
     for label, world, hp, cp, options in configs:

@@ -7,7 +7,10 @@ Inductor keeps a functional collective's start where the graph puts it (its own
 waits), and ``sink_waits`` (``_compat.comm_overlap_patches``) keeps each wait at its first
 use.  So this pass moves each start up, together with the layout ops that only feed it (the
 pack: view, permute, copy), to just after the latest of their other inputs: q's exchange
-then runs while k and v are projected, v's while RoPE runs.
+then runs while k and v are projected, v's while RoPE runs.  Where several exchanges feed
+one op (q, k, v into the ring), their waits (each with the layout ops that unpack it) are put
+in the order the exchanges started, so the last to start still has the others' unpacking
+before its wait.
 
 Stage ``post_grad`` (the graph Inductor lowers: forward, backward, inference), when
 ``hp > 1``.  Matches: every ``_c10d_functional.all_to_all_single``.  Changes: graph order
@@ -26,7 +29,7 @@ import torch.fx
 from loong_compile.passes.fx_util import is_view
 
 _START = torch.ops._c10d_functional.all_to_all_single.default
-_COPIES = (torch.ops.aten.clone.default,)
+_COPIES = (torch.ops.aten.clone.default, torch.ops.aten.reshape.default)
 
 
 def _is_pack(node: torch.fx.Node) -> bool:
@@ -74,6 +77,56 @@ def raise_start(start: torch.fx.Node) -> int:
     return moved
 
 
+def _arrival_chain(start: torch.fx.Node) -> tuple[list[torch.fx.Node], set[torch.fx.Node]]:
+    """The start's wait and the layout ops that only unpack it (graph order), and the nodes
+    that use them otherwise (the ring, an offload of the saved result; not the output)."""
+    chain, frontier, consumers = [], [u for u in start.users if u.op == "call_function"], set()
+    while frontier:
+        node = frontier.pop()
+        if node in chain:
+            continue
+        chain.append(node)
+        for u in node.users:
+            if _is_pack(u) and len(u.all_input_nodes) == 1:
+                frontier.append(u)
+            elif u.op == "call_function":
+                consumers.add(u)
+    order = {n: i for i, n in enumerate(start.graph.nodes)}
+    return sorted(chain, key=order.__getitem__), consumers
+
+
+def wait_in_start_order(starts: list[torch.fx.Node]) -> int:
+    """Where several exchanges feed one op (q, k, v into the ring), wait for them in the order
+    they started: the first to start is waited first, so each wait has the others' unpacking
+    before it.  A group moves only when every other use comes after all its chains.  Returns
+    the groups reordered."""
+    arrivals = [(start, *_arrival_chain(start)) for start in starts]
+    groups: list[list] = []
+    for arrival in arrivals:
+        group = next((g for g in groups if any(arrival[2] & other[2] for other in g)), None)
+        if group is None:
+            groups.append([arrival])
+        else:
+            group.append(arrival)
+    reordered = 0
+    for group in groups:
+        if len(group) < 2:
+            continue
+        order = {n: i for i, n in enumerate(starts[0].graph.nodes)}
+        chained = [n for _, chain, _ in group for n in chain]
+        last = max(order[n] for n in chained)
+        if any(order[u] < last for _, _, users in group for u in users):
+            continue
+        group.sort(key=lambda arrival: order[arrival[0]])
+        at = min(chained, key=order.__getitem__).prev
+        for _, chain, _ in group:
+            for node in chain:
+                at.append(node)
+                at = node
+        reordered += 1
+    return reordered
+
+
 class CommOverlapPass:
     """Raise every SeqAlltoAll start to where its tensor is ready (``hp > 1``)."""
 
@@ -89,8 +142,9 @@ class CommOverlapPass:
         starts = list(graph.find_nodes(op="call_function", target=_START))
         before = [_nodes_to_wait(s) for s in starts]
         moved = sum(raise_start(s) for s in starts)
+        regrouped = wait_in_start_order(starts)
         graph.lint()
         after = [_nodes_to_wait(s) for s in starts]
         return {"matched": len(starts), "changed": sum(a != b for a, b in zip(after, before)),
-                "nodes_moved": moved,
+                "nodes_moved": moved, "waits_reordered_for": regrouped,
                 "nodes_between_start_and_wait": {"before": before, "after": after}}

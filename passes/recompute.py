@@ -14,8 +14,9 @@ and the report says why.  A chain with a random op is not
 recomputed at all (it would draw new numbers): the tensor stays saved.
 
 A recompute never communicates: a chain stops at a collective's result (under hp > 1 the
-SeqAlltoAll of q/k/v and of the attention's out), which is saved instead; the out exchanged
-back to this rank's tokens is sliced like a single process's attention out.  So the alpha LP,
+SeqAlltoAll's waits for q/k/v and for the attention's out), which is saved instead; the out
+exchanged back to this rank's tokens (found through the pack's layout ops) is sliced like a
+single process's attention out.  So the alpha LP,
 which prices recompute by FLOPs, has no communication to price.
 
 ``alpha = 0`` recomputes every "other" tensor in full (= Selective Checkpoint++), ``alpha = 1``
