@@ -1,9 +1,9 @@
 """Runtime ops that the graph passes emit: 2D-Attention and its pieces.
 
-Importing this package registers the custom ops ``torch.ops.loong.seq_all_to_all``,
-``torch.ops.loong.ring_attention_fwd`` (returns ``(out, lse)``) and
-``torch.ops.loong.ring_attention_bwd``, ``torch.ops.loong.masked_attention_fwd`` /
-``masked_attention_bwd`` and ``torch.ops.loong.sequence_document_ids``.
+Importing this package registers the custom ops ``torch.ops.loong.ring_attention_fwd``
+(returns ``(out, lse)``) and ``ring_attention_bwd``, ``masked_attention_fwd`` /
+``masked_attention_bwd`` and ``sequence_document_ids``.  ``seq_all_to_all`` is functional
+collectives (``_c10d_functional``), not an op of ours.
 """
 
 from loong_compile.ops.alltoall import seq_all_to_all
