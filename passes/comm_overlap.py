@@ -26,27 +26,23 @@ from typing import Any, ClassVar
 import torch
 import torch.fx
 
-from loong_compile.passes.fx_util import is_view
+from loong_compile.passes.fx_util import is_layout_op
 
 _START = torch.ops._c10d_functional.all_to_all_single.default
-_COPIES = (torch.ops.aten.clone.default, torch.ops.aten.reshape.default)
+Order = dict[torch.fx.Node, int]
 
 
-def _is_pack(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and (is_view(node) or node.target in _COPIES)
-
-
-def feeding_chain(start: torch.fx.Node) -> list[torch.fx.Node]:
-    """``start`` and the layout ops used only on the way to it, in graph order."""
+def feeding_chain(start: torch.fx.Node, order: Order) -> list[torch.fx.Node]:
+    """``start`` and the layout ops used only on the way to it, in graph order (``order``:
+    node positions; moving other chains does not change this chain's own order)."""
     chain = [start]
     frontier = [start]
     while frontier:
         node = frontier.pop()
         for a in node.all_input_nodes:
-            if a not in chain and _is_pack(a) and all(u in chain for u in a.users):
+            if a not in chain and is_layout_op(a) and all(u in chain for u in a.users):
                 chain.append(a)
                 frontier.append(a)
-    order = {n: i for i, n in enumerate(start.graph.nodes)}
     return sorted(chain, key=order.__getitem__)
 
 
@@ -62,22 +58,29 @@ def _nodes_to_wait(start: torch.fx.Node) -> int | None:
     return count
 
 
-def raise_start(start: torch.fx.Node) -> int:
+def _latest_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The last of ``node``'s inputs in graph order (walking back from it), or None."""
+    inputs = set(node.all_input_nodes)
+    if not inputs:
+        return None
+    before = node.prev
+    while before not in inputs:
+        before = before.prev
+    return before
+
+
+def raise_start(start: torch.fx.Node, order: Order) -> int:
     """Move ``start``'s chain up to just after its latest outside input; the nodes moved."""
     moved = 0
-    for node in feeding_chain(start):
-        order = {n: i for i, n in enumerate(node.graph.nodes)}
-        inputs = node.all_input_nodes
-        if not inputs:
-            continue
-        latest = max(inputs, key=order.__getitem__)
-        if order[latest] + 1 < order[node]:
+    for node in feeding_chain(start, order):
+        latest = _latest_input(node)
+        if latest is not None and latest.next is not node:
             latest.append(node)
             moved += 1
     return moved
 
 
-def _arrival_chain(start: torch.fx.Node) -> tuple[list[torch.fx.Node], set[torch.fx.Node]]:
+def _arrival_chain(start: torch.fx.Node, order: Order) -> tuple[list[torch.fx.Node], set[torch.fx.Node]]:
     """The start's wait and the layout ops that only unpack it (graph order), and the nodes
     that use them otherwise (the ring, an offload of the saved result; not the output)."""
     chain, frontier, consumers = [], [u for u in start.users if u.op == "call_function"], set()
@@ -87,20 +90,20 @@ def _arrival_chain(start: torch.fx.Node) -> tuple[list[torch.fx.Node], set[torch
             continue
         chain.append(node)
         for u in node.users:
-            if _is_pack(u) and len(u.all_input_nodes) == 1:
+            if is_layout_op(u) and len(u.all_input_nodes) == 1:
                 frontier.append(u)
             elif u.op == "call_function":
                 consumers.add(u)
-    order = {n: i for i, n in enumerate(start.graph.nodes)}
     return sorted(chain, key=order.__getitem__), consumers
 
 
-def wait_in_start_order(starts: list[torch.fx.Node]) -> int:
+def wait_in_start_order(starts: list[torch.fx.Node], order: Order) -> int:
     """Where several exchanges feed one op (q, k, v into the ring), wait for them in the order
     they started: the first to start is waited first, so each wait has the others' unpacking
     before it.  A group moves only when every other use comes after all its chains.  Returns
-    the groups reordered."""
-    arrivals = [(start, *_arrival_chain(start)) for start in starts]
+    the groups reordered.  ``order``: positions after the starts moved (reordering one group
+    leaves every other node's relative order as it was)."""
+    arrivals = [(start, *_arrival_chain(start, order)) for start in starts]
     groups: list[list] = []
     for arrival in arrivals:
         group = next((g for g in groups if any(arrival[2] & other[2] for other in g)), None)
@@ -112,7 +115,6 @@ def wait_in_start_order(starts: list[torch.fx.Node]) -> int:
     for group in groups:
         if len(group) < 2:
             continue
-        order = {n: i for i, n in enumerate(starts[0].graph.nodes)}
         chained = [n for _, chain, _ in group for n in chain]
         last = max(order[n] for n in chained)
         if any(order[u] < last for _, _, users in group for u in users):
@@ -141,8 +143,9 @@ class CommOverlapPass:
     def run(self, graph: torch.fx.Graph, ctx: Any) -> dict[str, Any]:
         starts = list(graph.find_nodes(op="call_function", target=_START))
         before = [_nodes_to_wait(s) for s in starts]
-        moved = sum(raise_start(s) for s in starts)
-        regrouped = wait_in_start_order(starts)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        moved = sum(raise_start(s, order) for s in starts)
+        regrouped = wait_in_start_order(starts, {n: i for i, n in enumerate(graph.nodes)})
         graph.lint()
         after = [_nodes_to_wait(s) for s in starts]
         return {"matched": len(starts), "changed": sum(a != b for a, b in zip(after, before)),

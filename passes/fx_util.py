@@ -100,6 +100,14 @@ def is_view(node: torch.fx.Node) -> bool:
     return target is aten._unsafe_view.default or bool(getattr(target, "is_view", False))
 
 
+_LAYOUT_COPIES = (aten.clone.default, aten.contiguous.default, aten.reshape.default)
+
+
+def is_layout_op(node: torch.fx.Node) -> bool:
+    """A view, or a copy that only changes the layout (the SeqAlltoAll's pack and unpack)."""
+    return is_view(node) or (node.op == "call_function" and node.target in _LAYOUT_COPIES)
+
+
 def base_of(node: torch.fx.Node) -> torch.fx.Node:
     """The node that owns ``node``'s storage (``node`` itself unless it is a view)."""
     while is_view(node):

@@ -36,7 +36,7 @@ import torch.fx
 from loong_compile.passes.activations import ActivationPlan, FollowsActivationPlan
 from loong_compile.passes.base import PassContext, SplitGraphs
 from loong_compile.passes.fx_util import (
-    base_of, first_in_order, getitem_users, insert_call, is_collective, is_random, is_view, nbytes,
+    base_of, first_in_order, getitem_users, insert_call, is_collective, is_layout_op, is_random, nbytes,
     node_flops, set_meta,
 )
 from loong_compile.passes.saved_values import SavedValues
@@ -157,12 +157,10 @@ def _exchanged_back(attention_outs: set[Node]) -> set[Node]:
             if is_collective(user):
                 waits = {u for u in user.users if is_collective(u)}     # a start's wait
                 found |= waits or set(getitem_users(user)) or {user}
-            elif is_view(user) or user.target in _LAYOUT_COPIES:
+            elif is_layout_op(user):
                 stack.append(user)
     return found
 
-
-_LAYOUT_COPIES = (aten.clone.default, aten.contiguous.default)
 
 
 def region(targets: list[Node], stop: Callable[[Node], bool], order: dict[Node, int]) -> list[Node]:
