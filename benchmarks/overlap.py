@@ -11,7 +11,8 @@ hp x cp = 2x2, 4x1 and 1x4 (``memo``: the given alpha, every layer swapped), and
 
 For every kind of asynchronous start (offload, reload, a functional collective) in the
 forward (fw) and backward (bw) code: how many starts, how many have no compute kernel
-between start and wait ("exposed"), and the fewest / median kernels between.  Step: the
+between start and wait ("exposed"), and the fewest / median kernels between; for reloads,
+how many start after their layer's backward has begun ("late").  Step: the
 median over ``--steps`` timed steps (forward + backward + gradient all-reduce), the slowest
 rank's.
 """
@@ -82,7 +83,8 @@ def rows(overlap: dict) -> list[str]:
             median = statistics.median(between) if between else "-"
             out.append(f"{short} {kind}: {row['starts']} starts, {row['exposed']} exposed, "
                        f"kernels between min {row['min_kernels_between']} median {median}"
-                       + (f", {row['unwaited']} unwaited" if row["unwaited"] else ""))
+                       + (f", {row['unwaited']} unwaited" if row["unwaited"] else "")
+                       + (f", {row['late_prefetches']} late" if "late_prefetches" in row else ""))
     return out or ["no async start"]
 
 

@@ -15,6 +15,7 @@ The capability table and the thin shims are all it holds.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -180,7 +181,29 @@ def all_to_all_start(x, group_name: str, group_size: int):
 
 def collective_wait(x):
     """``_c10d_functional.wait_tensor``: the finished result of a functional collective."""
-    return torch.ops._c10d_functional.wait_tensor(x)
+    return torch.ops._c10d_functional.wait_tensor.default(x)
+
+
+@contextlib.contextmanager
+def timed_collective_waits(wrap):
+    """Inside, every ``_c10d_functional.wait_tensor`` that generated code (or
+    ``collective_wait``) calls runs as ``wrap(wait, tensor)``: Inductor's wrapper looks the op up
+    as ``torch.ops._c10d_functional.wait_tensor.default`` at each call, so replacing that
+    attribute of the op packet reaches compiled graphs.  Restored on exit.  Checked against
+    torch 2.11-2.15."""
+    packet = torch.ops._c10d_functional.wait_tensor
+    wait = packet.default
+    packet.default = functools.partial(wrap, wait)
+    try:
+        yield
+    finally:
+        packet.default = wait
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (a compiled backward
+    graph runs inside it).  Checked against torch 2.11-2.15."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def is_tracing() -> bool:
@@ -192,13 +215,59 @@ def is_tracing() -> bool:
     return _are_we_tracing()
 
 
-def comm_overlap_patches() -> dict:
-    """Inductor options, scoped to one compile, that schedule each functional collective's
-    start as early as its input allows and its wait as late as its first use allows (Inductor's
-    own ``raise_comms`` and ``sink_waits``).  Without them the generated code keeps a
-    collective's wait wherever the graph put it.  Checked against torch 2.11-2.15."""
-    return {"reorder_for_compute_comm_overlap": True,
-            "reorder_for_compute_comm_overlap_passes": ["sink_waits"]}
+def comm_overlap_patches(order_schedule=None) -> dict:
+    """Inductor options, scoped to one compile: before fusion, ``order_schedule`` (when given)
+    orders the scheduler nodes and holds some after others; after it, Inductor's
+    ``sink_waits`` puts each functional collective's wait at its first use.  Without them the
+    generated code keeps a collective's wait wherever the graph put it.  Checked against
+    torch 2.11-2.15.
+
+    ``order_schedule(items) -> (positions, holds)``: ``items`` is one ``(name, kind, op,
+    inputs)`` per scheduler node in Inductor's order, ``kind`` "start" (a collective), "wait"
+    (its wait), "nop" or "kernel", ``op`` the fallback op's qualified name ("" for generated
+    kernels), ``inputs`` the positions of the nodes it depends on (a start's on the start
+    before it is Inductor's chaining of collectives); it returns the new order and pairs
+    ``(node, other)``: ``node`` must run after ``other`` (an ordering-only dependency, so
+    fusion cannot merge across it)."""
+    patches: dict = {"reorder_for_compute_comm_overlap": True,
+                     "reorder_for_compute_comm_overlap_passes": ["sink_waits"]}
+    if order_schedule is not None:
+        patches["_pre_fusion_custom_pass"] = functools.partial(_order_scheduler_nodes, order_schedule)
+    return patches
+
+
+def _order_scheduler_nodes(order_schedule, snodes: list) -> list:
+    from torch._inductor import ir
+    from torch._inductor.dependencies import WeakDep
+    from torch._inductor.scheduler import NopKernelSchedulerNode
+
+    if not snodes:
+        return snodes
+    owner = {buf: i for i, snode in enumerate(snodes) for buf in snode.get_buffer_names()}
+    items = []
+    for i, snode in enumerate(snodes):
+        node = snode.node
+        if isinstance(node, ir._WaitKernel):
+            kind = "wait"
+        elif isinstance(node, ir._CollectiveKernel):
+            kind = "start"
+        elif isinstance(snode, NopKernelSchedulerNode):
+            kind = "nop"
+        else:
+            kind = "kernel"
+        op = getattr(node, "op_overload", None)
+        op = str(op).rsplit(".", 1)[0] if isinstance(op, torch._ops.OpOverload) else ""
+        inputs = sorted({owner[d.name] for d in snode.unmet_dependencies if owner.get(d.name, i) < i})
+        items.append((snode.get_name(), kind, op, tuple(inputs)))
+    order, holds = order_schedule(items)
+    for node, other in holds:
+        waiting = next(iter(snodes[node].get_buffer_names()))
+        for buf in snodes[other].get_buffer_names():
+            snodes[node].add_fake_dep(WeakDep(buf, mutating_buf=waiting, is_fake=True))
+    scheduler = snodes[0].scheduler
+    scheduler.nodes = [snodes[p] for p in order]
+    scheduler.compute_ancestors()       # fusion reads them to refuse a merge that would cycle
+    return scheduler.nodes
 
 
 # --- Dynamo: the module being compiled (passes/model_facts.py) -------------------

@@ -36,6 +36,7 @@ from loong_compile import _compat, input_checks, overlap, rank_check
 from loong_compile.config import LoongConfig
 from loong_compile.errors import LoongConfigError
 from loong_compile.inspect import Dumper, GraphReport, PassRecord
+from loong_compile.passes import exchange_order, offload
 from loong_compile.passes.base import STAGES, GraphPass, PassContext, SplitGraphs, check_contracts
 
 _graph_ids = itertools.count()
@@ -118,6 +119,7 @@ class _GraphCompile:
         self.dumper = Dumper(self.report, self.config.dump_dir)
         self.on_report = backend.on_report
         self.state: dict[str, Any] = {}
+        self._scheduling_kind = "forward"   # the graph Inductor is lowering (set by _post_grad)
         self.report.skipped.extend(dict(s) for s in backend.skipped)
         self.report.skipped += [{"name": c.name, "stage": "torch", "reason": c.without}
                                 for c in _compat.degraded()]
@@ -215,8 +217,9 @@ class _GraphCompile:
         patches: dict[str, Any] = {
             "custom_partitioner_fn": _compat.LoongPartitioner(self.partition, key),
             "post_grad_custom_post_pass": _compat.LoongPostGrad(self._post_grad, key),
-            # the SeqAlltoAll's starts as early and its waits as late as the graph allows
-            **_compat.comm_overlap_patches(),
+            # q/k/v exchanges started in the order that leaves each compute to hide behind, a
+            # layer's prefetches issued before its backward, every wait as late as its first use
+            **_compat.comm_overlap_patches(self._order_schedule),
         }
         if self.active["inductor"]:
             patches.update(_compat.pool_planning_patches(self._plan_memory, key))
@@ -235,12 +238,28 @@ class _GraphCompile:
         is_backward = any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder"))
         kind = "inference" if is_inference else ("backward" if is_backward else "forward")
         self.run_stage("post_grad", graph, kind)
+        self._scheduling_kind = kind
         _compat.on_next_output_code(functools.partial(self._record_overlap, kind))
+
+    def _order_schedule(self, items: list) -> tuple[list[int], list[tuple[int, int]]]:
+        """Inductor's scheduler nodes of the graph being lowered, before fusion: the exchanges'
+        order (``passes/exchange_order.py``), then each layer's prefetch held before its
+        backward (``passes/offload.py``); recorded where there is either."""
+        order, holds, exchanges = exchange_order.order_schedule(items)
+        order, prefetch_holds, prefetches = offload.hold_prefetches(items, order)
+        groups = exchanges["groups"]
+        if groups or prefetches["prefetch_layers"]:
+            self.report.passes.append(PassRecord("schedule_order", "inductor", self._scheduling_kind, 0.0, {
+                "matched": len(groups) + prefetches["prefetch_layers"],
+                "changed": sum(g["nodes_moved"] > 0 for g in groups) + prefetches["reloads_moved"],
+                "exchanges": exchanges, "prefetches": prefetches}))
+        return order, holds + prefetch_holds
 
     def _record_overlap(self, graph_kind: str, code: str) -> None:
         """What Inductor generated for this graph: each async start and the compute kernels
         scheduled before its wait (``loong_compile.overlap``)."""
         spans = overlap.overlap_of(code)
+        self.dumper.graph("inductor", graph_kind, "code", code)
         self.report.passes.append(PassRecord("overlap", "inductor", graph_kind, 0.0, {
             "matched": len(spans), "changed": 0, "kinds": overlap.summary(spans),
             "spans": [dataclasses.asdict(s) for s in spans]}))

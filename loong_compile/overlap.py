@@ -37,6 +37,7 @@ _CALL = re.compile(r"^(?:(\w+(?:\s*,\s*\w+)*)\s*=\s*)?([\w.]+)\((.*)$")
 _ALIAS = re.compile(r"^(\w+)\s*=\s*(\w+)$")
 _OP = re.compile(r"^torch\.ops\.([\w]+\.[\w]+)\.\w+$")
 _FIRST_ARG = re.compile(r"^\s*(?:reinterpret_tensor\()?(\w+)")
+_LAYER_ARG = re.compile(r",\s*(-?\d+)\)\s*$")
 
 
 @dataclasses.dataclass
@@ -48,6 +49,7 @@ class AsyncSpan:
     wait_line: int | None     # of its wait; None when the code has none
     kernels_between: int      # compute kernels launched between the two
     source: str               # the start's first argument (what is copied or sent)
+    layer: int | None = None  # the swapped layer a loong.wait_tensor names (its last argument)
 
 
 def call_body(code: str) -> list[str]:
@@ -106,14 +108,28 @@ def overlap_of(code: str) -> list[AsyncSpan]:
             if span is not None:
                 span.wait_line = index
                 span.kernels_between = kernels - launched_at[id(span)]
+                layer = _LAYER_ARG.search(rest) if name == "loong.wait_tensor" else None
+                span.layer = int(layer.group(1)) if layer and int(layer.group(1)) >= 0 else None
         elif _is_kernel(callee):
             kernels += 1
     return spans
 
 
+def late_prefetches(spans: list[AsyncSpan]) -> list[AsyncSpan]:
+    """The reloads that start after the backward of their layer has begun: after the layer
+    first reads what was swapped out (the first wait of any of its reloads)."""
+    first_use: dict[int, int] = {}
+    for span in spans:
+        if span.kind == "reload" and span.layer is not None and span.wait_line is not None:
+            first_use[span.layer] = min(first_use.get(span.layer, span.wait_line), span.wait_line)
+    return [s for s in spans if s.kind == "reload" and s.layer in first_use
+            and s.start_line > first_use[s.layer]]
+
+
 def summary(spans: list[AsyncSpan]) -> dict[str, Any]:
     """Per kind: how many starts, the fewest / total kernels between start and wait, and how
-    many starts have none (the figures ``docs/benchmarks.md`` records)."""
+    many starts have none (the figures ``docs/benchmarks.md`` records); for reloads, how many
+    start after their layer's first use of swapped data (``late_prefetches``)."""
     kinds: dict[str, dict[str, Any]] = {}
     for span in spans:
         row = kinds.setdefault(span.kind, {"starts": 0, "unwaited": 0, "exposed": 0,
@@ -126,4 +142,6 @@ def summary(spans: list[AsyncSpan]) -> dict[str, Any]:
         row["kernels_between"].append(span.kernels_between)
         low = row["min_kernels_between"]
         row["min_kernels_between"] = span.kernels_between if low is None else min(low, span.kernels_between)
+    if "reload" in kinds:
+        kinds["reload"]["late_prefetches"] = len(late_prefetches(spans))
     return kinds

@@ -22,7 +22,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results) -> None:
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results,
+            backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
@@ -32,7 +33,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         out = fn(rank, world, *args)
         results.put((rank, "ok", out))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -57,8 +60,10 @@ class DistributedFailure(RuntimeError):
         super().__init__(f"{len(errors)} rank(s) failed; rank {first}: {name}: {msg}\n{tb}")
 
 
-def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results.
+def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 300.0,
+                    backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks (gloo; or nccl, rank r on GPU r);
+    return the per-rank results.
 
     ``fn`` must be importable (a module-level function). Raises ``DistributedFailure``
     if any rank raised and ``TimeoutError`` if the ranks did not finish in time.
@@ -66,7 +71,7 @@ def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 300.0
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, backend), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

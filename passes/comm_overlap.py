@@ -8,13 +8,16 @@ waits), and ``sink_waits`` (``_compat.comm_overlap_patches``) keeps each wait at
 use.  So this pass moves each start up, together with the layout ops that only feed it (the
 pack: view, permute, copy), to just after the latest of their other inputs: q's exchange
 then runs while k and v are projected, v's while RoPE runs.  Where several exchanges feed
-one op (q, k, v into the ring), their waits (each with the layout ops that unpack it) are put
-in the order the exchanges started, so the last to start still has the others' unpacking
-before its wait.
+one op (q, k, v into the ring), the one whose arrival runs an unpacking copy starts first,
+each after only the work it needs (``exchange_order.py``: the copy then runs while the
+others fly), and their waits (each with the layout ops that unpack it) are put in the order
+the exchanges started.  Inductor keeps the collectives in this order; its fusion can still
+move their compute, which ``exchange_order.order_schedule`` undoes on Inductor's nodes.
 
 Stage ``post_grad`` (the graph Inductor lowers: forward, backward, inference), when
 ``hp > 1``.  Matches: every ``_c10d_functional.all_to_all_single``.  Changes: graph order
-only, never a value.  Report: per graph, the starts and the nodes moved, and the graph nodes
+only, never a value.  Report: per graph, the starts, the nodes moved, the groups ordered
+(``chains_ordered``: the starts in the order chosen), and the graph nodes
 between each start and its wait before and after (the kernels Inductor then schedules
 between them are in the ``overlap`` record).
 """
@@ -26,9 +29,12 @@ from typing import Any, ClassVar
 import torch
 import torch.fx
 
+from loong_compile.passes import exchange_order
 from loong_compile.passes.fx_util import is_layout_op
 
+aten = torch.ops.aten
 _START = torch.ops._c10d_functional.all_to_all_single.default
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 Order = dict[torch.fx.Node, int]
 
 
@@ -97,6 +103,40 @@ def _arrival_chain(start: torch.fx.Node, order: Order) -> tuple[list[torch.fx.No
     return sorted(chain, key=order.__getitem__), consumers
 
 
+def _copies(node: torch.fx.Node) -> bool:
+    """Whether a layout op runs a copy: a clone, or a reshape of a tensor it cannot view."""
+    if node.target in (aten.clone.default, aten.contiguous.default):
+        return True
+    if node.target is aten.reshape.default:
+        val, out = node.args[0].meta.get("val"), node.meta.get("val")
+        if val is None or out is None:
+            return True
+        try:
+            val.view(out.shape)
+        except RuntimeError:
+            return True
+    return False
+
+
+def order_chains(graph: torch.fx.Graph, starts: list[torch.fx.Node], order: Order) -> dict[str, Any]:
+    """``exchange_order.order_exchanges`` on the graph: of the exchanges feeding one op, those
+    whose unpacking copies start first, each right after the work that only it needs."""
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    copying = {s for s in starts if any(_copies(n) for n in _arrival_chain(s, order)[0])}
+    kind = {_START: "start", _WAIT: "wait"}
+    items = [exchange_order.Node(
+        n.name, kind.get(n.target, "kernel" if n.op == "call_function" else "other"),
+        tuple(position[a] for a in n.all_input_nodes), n in copying) for n in nodes]
+    new_order, _, report = exchange_order.order_exchanges(items)
+    at = nodes[new_order[0]]
+    for i in new_order[1:]:
+        if nodes[i].op != "output":
+            at.append(nodes[i])
+            at = nodes[i]
+    return report
+
+
 def wait_in_start_order(starts: list[torch.fx.Node], order: Order) -> int:
     """Where several exchanges feed one op (q, k, v into the ring), wait for them in the order
     they started: the first to start is waited first, so each wait has the others' unpacking
@@ -145,9 +185,10 @@ class CommOverlapPass:
         before = [_nodes_to_wait(s) for s in starts]
         order = {n: i for i, n in enumerate(graph.nodes)}
         moved = sum(raise_start(s, order) for s in starts)
+        chains = order_chains(graph, starts, {n: i for i, n in enumerate(graph.nodes)})
         regrouped = wait_in_start_order(starts, {n: i for i, n in enumerate(graph.nodes)})
         graph.lint()
         after = [_nodes_to_wait(s) for s in starts]
         return {"matched": len(starts), "changed": sum(a != b for a, b in zip(after, before)),
-                "nodes_moved": moved, "waits_reordered_for": regrouped,
+                "nodes_moved": moved, "chains_ordered": chains, "waits_reordered_for": regrouped,
                 "nodes_between_start_and_wait": {"before": before, "after": after}}

@@ -27,7 +27,11 @@ prefetch, the last of the layer whose backward precedes layer ``i + 1``'s; for a
 wait, the last before the first use.  None where no such node follows the copy's start (then
 nothing could run between them anyway).  Dependencies, not a post-scheduling pass: they hold
 through every Inductor reordering (peak memory, comms) and in every lowering, and they
-cost nothing at run time (``after`` is never read).
+cost nothing at run time (``after`` is never read).  A dependency says "not before", never
+"not after": Inductor's peak-memory order can still issue some of a layer's prefetches
+after the layer's backward has begun.  ``hold_prefetches`` closes that on Inductor's
+scheduler nodes (the backend's schedule hook): a layer's reloads (one ``after``) are issued
+together, and each of their waits is held after all of them.
 
 Nodes holding a swapped layer's skeletal tensors (forward) and their reloads (backward) carry
 ``meta["loong_rounding_buffer"] = layer % 2``: MEMO's two rounding buffers, for a memory plan
@@ -53,6 +57,31 @@ from loong_compile.passes.base import PassContext, SplitGraphs
 
 Node = torch.fx.Node
 ROUNDING_BUFFER = "loong_rounding_buffer"   # meta key: 0 (even layers) or 1 (odd layers)
+
+
+def hold_prefetches(items: list[tuple[str, str, str, tuple[int, ...]]],
+                    order: list[int]) -> tuple[list[int], list[tuple[int, int]], dict[str, int]]:
+    """On Inductor's scheduler nodes (``_compat.comm_overlap_patches``' items, in ``order``):
+    the reloads that share their inputs (one layer's prefetch) moved up to the first of them,
+    and holds ``(wait, reload)``: each reload's wait runs after every reload of its layer."""
+    layers: dict[tuple[int, ...], list[int]] = {}
+    for i, (_, _, op, inputs) in enumerate(items):
+        if op == "loong.reload":
+            layers.setdefault(inputs, []).append(i)
+    position = {node: p for p, node in enumerate(order)}
+    holds, moved = [], 0
+    for reloads in layers.values():
+        reloads.sort(key=position.__getitem__)
+        later = set(reloads[1:])
+        moved += sum(position[r] != position[reloads[0]] + k for k, r in enumerate(reloads))
+        order = [n for n in order if n not in later]
+        at = order.index(reloads[0]) + 1
+        order[at:at] = reloads[1:]
+        members = set(reloads)
+        holds += [(w, r) for w, (_, _, op, inputs) in enumerate(items)
+                  if op == "loong.wait_tensor" and members & set(inputs)
+                  for r in reloads if r not in inputs]
+    return order, holds, {"prefetch_layers": len(layers), "reloads_moved": moved, "waits_held": len(holds)}
 
 
 def forward_uses(node: Node) -> list[Node]:

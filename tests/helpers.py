@@ -125,8 +125,8 @@ class Probe:
         return {}
 
 
-def token_ids(seq: int = SEQ) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(1))
+def token_ids(seq: int = SEQ, batch: int = BATCH) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
 
 
 _captured: dict[str, tuple] = {}

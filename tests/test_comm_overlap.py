@@ -48,3 +48,60 @@ def test_each_start_moves_to_where_its_tensor_is_ready_and_waits_follow_start_or
 def test_the_pass_runs_only_with_head_parallelism():
     assert CommOverlapPass().enabled(types.SimpleNamespace(hp=2))
     assert not CommOverlapPass().enabled(types.SimpleNamespace(hp=1))
+
+
+def test_the_exchange_whose_arrival_copies_starts_first():
+    """k and v arrive as views (one KV head per rank), q needs an unpacking copy: q's chain and
+    start go first though the model projects it last, so q's copy runs while k, v fly."""
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    nodes = {}
+    for name in "vkq":
+        packed = g.call_function(aten.clone.default, (g.call_function(aten.mm.default, (x, w)),))
+        nodes[f"start_{name}"] = g.call_function(START, (packed, [1, 1], [1, 1], "0"))
+    arrivals = []
+    for name in "vkq":
+        wait = g.call_function(WAIT, (nodes[f"start_{name}"],))
+        arrivals.append(g.call_function(aten.clone.default if name == "q" else aten.permute.default,
+                                        (wait,) if name == "q" else (wait, [1, 0])))
+    g.output(g.call_function(aten.cat.default, (arrivals,)))
+    summary = CommOverlapPass().run(g, None)
+    starts = [n for n in g.nodes if n.target is START]
+    assert starts == [nodes["start_q"], nodes["start_v"], nodes["start_k"]]
+    assert summary["chains_ordered"]["groups"][0]["started_in_order"] == [s.name for s in starts]
+    g.lint()
+
+
+def test_order_schedule_keeps_the_collectives_order_and_holds_each_chain_after_the_start_before():
+    """Inductor's nodes: x; then (as fusion left them) k's and q's RoPE together ahead of the
+    starts, which Inductor chains in the FX order q, k, v."""
+    from loong_compile.passes.exchange_order import order_schedule
+
+    items = [("x", "kernel", "", ()),
+             ("rope_k", "kernel", "", (0,)), ("rope_q", "kernel", "", (0,)),
+             ("mm_v", "kernel", "", (0,)),
+             ("start_q", "start", "", (2,)), ("start_k", "start", "", (1, 4)),
+             ("offload_x", "kernel", "loong.offload", (0,)),
+             ("start_v", "start", "", (3, 5)),
+             ("wait_q", "wait", "", (4,)), ("wait_k", "wait", "", (5,)), ("wait_v", "wait", "", (7,))]
+    order, holds, report = order_schedule(items)
+    names = [items[i][0] for i in order]
+    assert names[:8] == ["x", "offload_x", "rope_q", "start_q", "rope_k", "start_k", "mm_v", "start_v"]
+    assert set(holds) == {(1, 4), (3, 5)}         # k's RoPE after q's start, v's mm after k's
+    assert report["groups"][0]["started_in_order"] == ["start_q", "start_k", "start_v"]
+
+
+def test_a_layers_prefetches_are_issued_together_and_its_waits_held_after_them():
+    """Inductor's order with one of layer 2's reloads after the first wait of another."""
+    from loong_compile.passes.offload import hold_prefetches
+
+    items = [("anchor", "kernel", "", ()),
+             ("reload_a", "kernel", "loong.reload", (0,)),
+             ("wait_a", "kernel", "loong.wait_tensor", (1, 0)),
+             ("use_a", "kernel", "", (2,)),
+             ("reload_b", "kernel", "loong.reload", (0,)),
+             ("wait_b", "kernel", "loong.wait_tensor", (4, 0))]
+    order, holds, report = hold_prefetches(items, list(range(len(items))))
+    assert [items[i][0] for i in order] == ["anchor", "reload_a", "reload_b", "wait_a", "use_a", "wait_b"]
+    assert sorted(holds) == [(2, 4), (5, 1)]
+    assert report == {"prefetch_layers": 1, "reloads_moved": 1, "waits_held": 2}

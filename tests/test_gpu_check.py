@@ -105,12 +105,17 @@ def test_exposed_time_per_layer_sums_each_kinds_blocked_milliseconds():
     assert all(end.synced for *_, end in records)
 
 
-def test_exposed_time_records_nothing_off_cuda():
+def test_off_cuda_a_copy_blocks_nothing_and_a_collective_wait_is_timed_on_the_host():
+    import time
+
     from loong_compile.ops.exposure import blocking, recording
     from loong_compile.ops.offload import OFFLOAD, WAIT
 
     x = torch.randn(4)
     with recording() as records:
-        with blocking("offload", 0, x.device):
-            host = WAIT(OFFLOAD(x), x, None, 0)
-    assert records == [] and torch.equal(host, x)
+        host = WAIT(OFFLOAD(x), x, None, 0)          # a CPU copy is synchronous: no wait recorded
+        assert records == [] and torch.equal(host, x)
+        with blocking("collective", 2, x.device):
+            time.sleep(0.02)
+    [(layer, kind, start, end)] = records
+    assert (layer, kind) == (2, "collective") and start.elapsed_time(end) >= 20

@@ -1,6 +1,6 @@
 """Communication under hp > 1 with MEMO: token-slice recompute never replays a collective
 (2 gloo ranks, hp = 2), and the example Llama's offloads, reloads and q/k/v all-to-alls
-overlap compute in the code Inductor generates on 4 ranks (hp × cp = 2 × 2).  One spawn per
+overlap compute in the code Inductor generates on 4 ranks (hp × cp = 2 × 2 and 4 × 1).  One spawn per
 world size."""
 
 from __future__ import annotations
@@ -12,28 +12,38 @@ import torch.nn.functional as F
 from helpers import BUDGET, Probe, Sections, assert_same_loss_and_grads, section_results, sharded_step
 from helpers import tiny_llama, token_ids
 from loong_compile.mesh import init_mesh
-from loong_compile.overlap import overlap_of
+from loong_compile.overlap import late_prefetches, overlap_of
 from loong_compile.passes import library_passes
 from loong_compile.passes.fx_util import is_collective
 from loong_compile.testing import run_distributed
 
 ALPHAS = (0.0, 0.5)
 LAYERS = 4
+EXAMPLE = {"layers": LAYERS, "dim": 128, "ffn": 344}   # examples/llama.py's defaults
+SEQ = 1024
 
 
-def _reference():
-    model, ids = tiny_llama(layers=LAYERS), token_ids()
+def _inputs(example: bool):
+    """The 4-layer test model on the test batch, or the example at its defaults on one sequence
+    of its length (Inductor fuses by the sizes it sees)."""
+    if example:
+        return tiny_llama(**EXAMPLE), token_ids(SEQ, batch=1)
+    return tiny_llama(layers=LAYERS), token_ids()
+
+
+def _reference(example=False):
+    model, ids = _inputs(example)
     logits = model(ids)
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _step(hp, cp, options, probe=None):
-    """One memo step of the 4-layer example on this rank's tokens: (loss, grads, report)."""
+def _step(hp, cp, options, probe=None, example=False):
+    """One memo step on this rank's tokens: (loss, grads, report)."""
     torch._dynamo.reset()
     options = {"hp": hp, "cp": cp, "activations": "memo", "resident_layers": 0, **BUDGET, **options}
-    return sharded_step(tiny_llama(layers=LAYERS), token_ids(), init_mesh(hp=hp, cp=cp), options,
+    return sharded_step(*_inputs(example), init_mesh(hp=hp, cp=cp), options,
                         passes=library_passes() + ([probe] if probe else []))
 
 
@@ -50,10 +60,34 @@ def _no_replayed_collective(alpha):
             "saved_exchanges": sum(is_collective(n) for n in saved)}
 
 
+def _recorded_waits():
+    """The waits one compiled step blocks on, per layer and kind (ops/exposure.py's record, as
+    gpu-check takes it; on CPU the times are host times): the counts."""
+    from loong_compile import LoongBackend, shard_batch
+    from loong_compile.ops.exposure import per_layer, recording
+
+    torch._dynamo.reset()
+    model, ids = _inputs(example=False)
+    batch = shard_batch(ids, ids, init_mesh(hp=2, cp=1))
+    options = {"hp": 2, "cp": 1, "activations": "memo", "alpha": 0.5, "resident_layers": 0, **BUDGET}
+    compiled = torch.compile(model, backend=LoongBackend(options), fullgraph=True)
+
+    def step():
+        compiled(batch.input_ids, position_ids=batch.position_ids).sum().backward()
+
+    step()                                  # compiles: the record times runs, not tracing
+    with recording(layers=LAYERS) as records:
+        step()
+        rows = per_layer(records)
+    return {layer: {kind: n for kind, n in row.items() if kind.endswith("_waits")}
+            for layer, row in rows.items()}
+
+
 def _two_ranks(rank, world):
     sections = Sections()
     for alpha in ALPHAS:
         sections.run(alpha, _no_replayed_collective, alpha)
+    sections.run("recorded", _recorded_waits)
     return sections.results
 
 
@@ -70,18 +104,33 @@ def test_hp2_memo_recomputes_no_collective_and_computes_what_one_process_does(tw
         assert result["saved_exchanges"] >= 3 * LAYERS
 
 
-def _generated_overlap(dump_dir):
+def test_every_wait_of_a_compiled_step_is_recorded_with_its_layer(two_ranks):
+    """gpu-check's exposed time per layer: each layer's 4 exchanges forward and 4 backward
+    (q, k, v, out; their gradients) land in that layer's row.  (Offload and reload waits block
+    only on CUDA, where a copy is in flight.)"""
+    for rows in section_results(two_ranks, "recorded"):
+        assert rows == {layer: {"collective_waits": 8} for layer in range(LAYERS)}, rows
+
+
+def _generated_overlap(hp, cp, dump_dir):
+    """Per generated graph (forward, backward): every async span as (kind, kernels between
+    start and wait, waited), and the reloads that start after their layer's backward began."""
     from loong_compile._compat import generated_code
 
-    (loss, grads, _), codes = generated_code(_step, 2, 2, {"alpha": 0.5, "dump_dir": dump_dir})
-    assert_same_loss_and_grads((loss, grads), _reference(), rtol=1e-4, atol=1e-6)
-    return [[(s.kind, s.kernels_between, s.wait_line is not None) for s in overlap_of(code)]
-            for code in codes]
+    (loss, grads, _), codes = generated_code(_step, hp, cp, {"alpha": 0.5, "dump_dir": dump_dir},
+                                             example=True)
+    assert_same_loss_and_grads((loss, grads), _reference(example=True), rtol=1e-4, atol=1e-6)
+    return [([(s.kind, s.kernels_between, s.wait_line is not None) for s in overlap_of(code)],
+             len(late_prefetches(overlap_of(code)))) for code in codes]
+
+
+MESHES = {"memo 2x2": (2, 2), "memo 4x1": (4, 1)}
 
 
 def _four_ranks(rank, world, dump_dir):
     sections = Sections()
-    sections.run("memo", _generated_overlap, f"{dump_dir}/rank{rank}")
+    for label, (hp, cp) in MESHES.items():
+        sections.run(label, _generated_overlap, hp, cp, f"{dump_dir}/{hp}x{cp}/rank{rank}")
     return sections.results
 
 
@@ -91,21 +140,30 @@ def four_ranks(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_offloads_and_reloads_overlap_compute_in_the_generated_code_on_4_ranks(four_ranks):
-    for forward, backward in section_results(four_ranks, "memo"):
+@pytest.mark.parametrize("mesh", MESHES)
+def test_offloads_and_reloads_overlap_compute_in_the_generated_code_on_4_ranks(four_ranks, mesh):
+    """Every offload and reload has a kernel before its wait, and every prefetch starts before
+    the backward of the layer that needs it."""
+    for (forward, _), (backward, late) in section_results(four_ranks, mesh):
         offloads = [s for s in forward if s[0] == "offload"]
         reloads = [s for s in backward if s[0] == "reload"]
         assert len(offloads) == len(reloads) > LAYERS * 3
         assert all(waited and between >= 1 for _, between, waited in offloads + reloads), offloads + reloads
+        assert late == 0
 
 
 @pytest.mark.slow
-def test_q_k_v_all_to_alls_overlap_compute_in_the_generated_code_on_4_ranks(four_ranks):
-    """Per layer, in start order: the exchanges of q, k, v (each started where its tensor is
-    ready, passes/comm_overlap.py), then out's, whose wait o_proj needs at once."""
-    for forward, _ in section_results(four_ranks, "memo"):
+@pytest.mark.parametrize("mesh", MESHES)
+def test_q_k_v_all_to_alls_overlap_compute_in_the_generated_code_on_4_ranks(four_ranks, mesh):
+    """Per layer, in start order: the exchanges of q, k and v, then out's (o_proj needs it at
+    once: nothing is left to overlap).  At 2x2 q's arrival is an unpacking copy and starts
+    first (passes/exchange_order.py), so every q/k/v exchange has a kernel before its wait.
+    At 4x1 (one head per rank) all three arrive as views: the last to start has nothing left
+    to run before the ring, the other two have."""
+    for (forward, _), _ in section_results(four_ranks, mesh):
         exchanges = [s for s in forward if s[0] == "all_to_all"]
         assert len(exchanges) == 4 * LAYERS and all(waited for _, _, waited in exchanges)
         for layer in range(LAYERS):
-            q_k_v = exchanges[4 * layer:4 * layer + 3]
-            assert all(between >= 1 for _, between, _ in q_k_v), (layer, exchanges)
+            between = [b for _, b, _ in exchanges[4 * layer:4 * layer + 3]]
+            overlapped = between if mesh == "memo 2x2" else between[:2]
+            assert all(b >= 1 for b in overlapped), (layer, exchanges)

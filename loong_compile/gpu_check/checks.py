@@ -3,6 +3,7 @@ without a CUDA GPU (or what it needs) and ``AssertionError`` when the GPU disagr
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -164,28 +165,37 @@ POLICIES = [("none", {}), ("sc++", {}), ("memo", {"alpha": 0.0}), ("memo", {"alp
             ("memo", {"alpha": 1.0})]
 
 
-def _train_steps(model, ids, options: dict, steps: int) -> dict:
-    """Compile with ``options``, run ``steps`` steps; peak bytes, step time, report figures."""
+def _train_steps(model, ids, options: dict, steps: int, record_layers: int | None = None,
+                 **inputs) -> dict:
+    """Compile with ``options``, run ``steps`` steps (the model takes ``ids``, labels ``ids``
+    unless ``inputs`` say otherwise); peak bytes, step time, report figures.  With
+    ``record_layers``, the last step's waits are recorded (``ops.exposure``; not the first,
+    which compiles): ``exposed``, ms blocked per layer and kind."""
     from loong_compile.backend import LoongBackend
+    from loong_compile.ops.exposure import per_layer, recording
 
     reports = []
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=LoongBackend(options, on_report=reports.append),
                              fullgraph=True)
-    peaks, times = [], []
-    for _ in range(steps):
+    peaks, times, exposed = [], [], {}
+    for step in range(steps):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+        recorded = record_layers is not None and step == steps - 1 > 0
         start = time.perf_counter()
-        compiled(ids, labels=ids).loss.backward()
-        torch.cuda.synchronize()
+        with recording(layers=record_layers) if recorded else contextlib.nullcontext() as records:
+            compiled(ids, **{"labels": ids, **inputs}).loss.backward()
+            torch.cuda.synchronize()
+            if recorded:
+                exposed = per_layer(records)
         times.append(time.perf_counter() - start)
         peaks.append(torch.cuda.max_memory_allocated() - base)
         model.zero_grad(set_to_none=True)
     summaries = {(p.name, p.graph_kind): p.summary for r in {id(r): r for r in reports}.values()
                  for p in r.passes}
     return {"peaks": peaks, "step_s": min(times[1:] or times), "summaries": summaries,
-            "reserved": torch.cuda.memory_reserved()}
+            "reserved": torch.cuda.memory_reserved(), "exposed": exposed}
 
 
 def _summary_value(summaries: dict, key: str) -> int | None:
@@ -226,31 +236,59 @@ def check_memory_plan(figures: dict) -> str:
     return f"arena {arena / 2**20:.1f} MiB; peak {run['peaks'][-1] / 2**20:.1f} MiB, steady over 20 steps"
 
 
-def check_exposed_time(figures: dict) -> str:
-    """memo (every layer swapped) on Inductor's CUDA code: the time the compute stream blocks on
-    each layer's offload and reload waits (CUDA events, ``ops.exposure``), beside the compute
-    kernels the generated code schedules between each start and its wait."""
+def _exposed_per_layer(model, ids, options: dict, layers: int, **inputs) -> tuple[dict, dict, float]:
+    """Three steps, the last recorded: ms blocked per layer and kind, the ``overlap`` records
+    of the generated code, the step's seconds."""
     import tempfile
 
-    from loong_compile.ops.exposure import per_layer, recording
+    with tempfile.TemporaryDirectory() as dump:      # dump_dir: the report reads the generated code
+        run = _train_steps(model, ids, {**options, "dump_dir": dump}, steps=3, record_layers=layers,
+                           **inputs)
+    overlap = {kind: s["kinds"] for (name, kind), s in run["summaries"].items() if name == "overlap"}
+    rows = {str(k): {kind: round(v, 3) for kind, v in row.items()} for k, row in sorted(run["exposed"].items())}
+    return rows, overlap, run["step_s"]
+
+
+def _exposed_two_ranks(rank: int, world: int, device_type: str = "cuda", tokens: int = 8192) -> dict:
+    """hp = 2 on two GPUs over NCCL: the SeqAlltoAll's waits beside the offloads and reloads."""
+    import torch.distributed as dist
+
+    from loong_compile import init_mesh, shard_batch
+
+    device = torch.device(device_type, rank if device_type == "cuda" else None)
+    model, ids = _llama(device, layers=4), torch.randint(0, 32000, (1, tokens), device=device)
+    dist.broadcast(ids, 0)
+    batch = shard_batch(ids, ids, init_mesh(hp=2, cp=1))
+    n_labels = (batch.labels != -100).sum()
+    dist.all_reduce(n_labels)                                  # label tokens of the whole row
+    rows, overlap, step_s = _exposed_per_layer(
+        model, batch.input_ids, {"hp": 2, "activations": "memo", "alpha": 0.5, "resident_layers": 0},
+        layers=4, position_ids=batch.position_ids, labels=batch.labels, shift_labels=batch.labels,
+        num_items_in_batch=int(n_labels))
+    return {"exposed_ms_per_layer": rows, "overlap": overlap, "step_s": round(step_s, 4)}
+
+
+def check_exposed_time(figures: dict) -> str:
+    """memo (every layer swapped) on Inductor's CUDA code: the time the compute stream blocks on
+    each layer's offload and reload waits and, with two GPUs, on its all-to-alls at hp = 2 (CUDA
+    events, ``ops.exposure``), beside the compute kernels the generated code schedules between
+    each start and its wait."""
+    from loong_compile.testing import run_distributed
 
     device = require_cuda()
     model, ids = _llama(device, layers=4), torch.randint(0, 32000, (1, 8192), device=device)
-    options = {"activations": "memo", "alpha": 0.5, "resident_layers": 0}
-    with tempfile.TemporaryDirectory() as dump:      # dump_dir: the report reads the generated code
-        run = _train_steps(model, ids, {**options, "dump_dir": dump}, steps=2)
-        with recording() as records:
-            compiled_step = _train_steps(model, ids, {**options, "dump_dir": dump}, steps=1)
-            layers = per_layer(records)
-    figures["exposed_ms_per_layer"] = {str(k): {kind: round(v, 3) for kind, v in row.items()}
-                                       for k, row in sorted(layers.items())}
-    figures["overlap"] = {kind: s["kinds"] for (name, kind), s in run["summaries"].items()
-                          if name == "overlap"}
-    figures["step_s"] = round(compiled_step["step_s"], 4)
-    swapped = [layer for layer in layers if layer >= 0]
-    assert sorted(swapped) == [0, 1, 2, 3], f"waits recorded for layers {sorted(layers)}, want 0-3"
+    layers, figures["overlap"], step_s = _exposed_per_layer(
+        model, ids, {"activations": "memo", "alpha": 0.5, "resident_layers": 0}, layers=4)
+    figures["exposed_ms_per_layer"], figures["step_s"] = layers, round(step_s, 4)
+    assert sorted(layers) == ["0", "1", "2", "3"], f"waits recorded for layers {sorted(layers)}, want 0-3"
     worst = max(sum(v for k, v in row.items() if not k.endswith("_waits")) for row in layers.values())
-    return f"exposed offload + reload time per layer at most {worst:.2f} ms (4 layers, 8192 tokens)"
+    if torch.cuda.device_count() < 2:
+        figures["hp2"] = "not run: the all-to-all at hp = 2 needs two GPUs (NCCL); this machine has one"
+        return f"exposed offload + reload time per layer at most {worst:.2f} ms (4 layers, 8192 tokens)"
+    figures["hp2"] = hp2 = run_distributed(_exposed_two_ranks, 2, timeout=600, backend="nccl")[0]
+    exposed = max(row.get("collective", 0.0) for row in hp2["exposed_ms_per_layer"].values())
+    return (f"exposed offload + reload time per layer at most {worst:.2f} ms; at hp = 2 the "
+            f"all-to-alls expose at most {exposed:.2f} ms per layer (4 layers, 8192 tokens)")
 
 
 CHECKS = [("kernels", check_kernels), ("double_ring", check_double_ring),

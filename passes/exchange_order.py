@@ -1,0 +1,108 @@
+"""Order the exchanges of one attention call and the work that feeds each, so each has compute to hide behind.
+
+q, k and v are exchanged independently and the ring needs all three: whichever starts last
+overlaps only with work still left after it starts.  At hp = 2 with fewer KV heads than query
+heads, k's and v's arrival is a view and q's is an unpacking copy: if q starts last, nothing is
+left between its start and its wait.  ``order_exchanges`` puts a group's exchanges in order
+(those marked ``first``, whose arrival runs a copy, before the others) and each right after
+the work that only it needs: ``[q chain, start q, k chain, start k, v chain, start v]``; then
+``sink_waits`` defers every wait to its first use, so q's unpacking runs while k and v are
+in flight.
+
+Used twice.  ``passes/comm_overlap.py`` orders the post-grad FX graph (it marks ``first``);
+Inductor keeps the collectives in that order (it chains them so every rank issues them
+alike) but its fusion moves compute (a RoPE kernel that also computes cos/sin jumps to where
+cos/sin was), so ``order_schedule`` orders Inductor's fused scheduler nodes again, keeping
+the collectives' order (``_compat.comm_overlap_patches`` adapts the nodes).  Order only,
+within each group's span; every dependency is checked and the input order kept if one would
+break.  Report: per group, the starts in the order chosen and the nodes moved.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class Node(NamedTuple):
+    """One node in graph order: ``kind`` is "start" (a collective), "wait" (a collective's
+    wait), "kernel" (compute) or "other" (host copies, allocations, placeholders); ``inputs``
+    the positions of the nodes it depends on; ``first``: a start to put before its group's
+    unmarked ones."""
+
+    name: str
+    kind: str
+    inputs: tuple[int, ...]
+    first: bool = False
+
+
+def _ancestors(nodes: list[Node]) -> list[set[int]]:
+    out: list[set[int]] = []
+    for node in nodes:
+        seen: set[int] = set()
+        for i in node.inputs:
+            seen.add(i)
+            seen |= out[i]
+        out.append(seen)
+    return out
+
+
+def _groups(starts: list[int], ancestors: list[set[int]]) -> list[list[int]]:
+    """Runs of starts, in list order, none depending on another (one attention call's q/k/v)."""
+    groups: list[list[int]] = []
+    for s in starts:
+        if groups and not any(g in ancestors[s] for g in groups[-1]):
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
+
+
+def order_exchanges(nodes: list[Node]) -> tuple[list[int], list[tuple[int, int]], dict[str, Any]]:
+    """A dependency-preserving order of ``nodes`` (positions); the holds ``(node, start)`` that
+    keep it (each node of a chain runs after the start before it: without them Inductor fuses
+    the RoPE of k with q's, and both start after one kernel); the report of what moved."""
+    ancestors = _ancestors(nodes)
+    order = list(range(len(nodes)))
+    holds: list[tuple[int, int]] = []
+    report: dict[str, Any] = {"groups": []}
+    for group in _groups([i for i, n in enumerate(nodes) if n.kind == "start"], ancestors):
+        if len(group) < 2:
+            continue
+        first = sorted(group, key=lambda s: (not nodes[s].first, s))
+        rank = {s: r for r, s in enumerate(first)}
+        position = {node: p for p, node in enumerate(order)}
+        common = set.intersection(*(ancestors[s] for s in group))
+        lo = max((position[c] for c in common), default=-1) + 1
+        hi = max(position[s] for s in group) + 1
+        key: dict[int, int] = {}
+        for node in order[lo:hi]:   # the chain of the first start it feeds; else after its inputs
+            feeds = [rank[s] for s in group if node == s or node in ancestors[s]]
+            key[node] = min(feeds) if feeds else max((key[a] for a in ancestors[node] if a in key), default=-1)
+        span = sorted(order[lo:hi], key=lambda node: (key[node], position[node]))
+        holds += [(node, first[key[node] - 1]) for node in span
+                  if 0 < key[node] < len(first) and nodes[node].kind != "start"]
+        report["groups"].append({"starts": [nodes[s].name for s in group],
+                                 "started_in_order": [nodes[s].name for s in first],
+                                 "nodes_moved": sum(a != b for a, b in zip(span, order[lo:hi]))})
+        order[lo:hi] = span
+    placed = {node: p for p, node in enumerate(order)}
+    if any(placed[i] > placed[node] for node in order for i in nodes[node].inputs):
+        report["kept_input_order"] = "a reordered span broke a dependency"
+        return list(range(len(nodes))), [], report
+    report["holds"] = len(holds)
+    return order, holds, report
+
+
+HOST_OPS = ("loong.offload", "loong.reload", "loong.wait_tensor")   # copies, not compute
+
+
+def order_schedule(items: list[tuple[str, str, str, tuple[int, ...]]]
+                   ) -> tuple[list[int], list[tuple[int, int]], dict[str, Any]]:
+    """``order_exchanges`` on Inductor's scheduler nodes (``_compat.comm_overlap_patches``'
+    items; a host copy or a nop is "other").  A start's dependency on an earlier start is
+    Inductor's chaining of collectives, not data: it is dropped, and the order of starts is
+    kept (none is marked ``first``)."""
+    nodes = [Node(name, "other" if kind == "nop" or op in HOST_OPS else kind,
+                  tuple(i for i in inputs if not (kind == "start" and items[i][1] == "start")))
+             for name, kind, op, inputs in items]
+    return order_exchanges(nodes)
