@@ -60,40 +60,53 @@ def _no_replayed_collective(alpha):
             "saved_exchanges": sum(is_collective(n) for n in saved)}
 
 
-def _recorded_waits():
-    """The waits one compiled step blocks on, per layer and kind (ops/exposure.py's record, as
-    gpu-check takes it; on CPU the times are host times): the counts."""
+def _recorded_hf_llama(dump_dir):
+    """transformers' Llama (4 layers, a 32000-token vocabulary, one 256-token sequence, the
+    labels passed to the model) under memo at hp = 2, compiled by Inductor: the waits one step
+    blocks on, per layer and kind (ops/exposure.py's record, as gpu-check takes it; on CPU the
+    times are host times), and the generated backward's reloads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from loong_compile import LoongBackend, shard_batch
     from loong_compile.ops.exposure import per_layer, recording
 
     torch._dynamo.reset()
-    model, ids = _inputs(example=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
+    ids = torch.randint(0, 32000, (1, 256), generator=torch.Generator().manual_seed(1))
     batch = shard_batch(ids, ids, init_mesh(hp=2, cp=1))
-    options = {"hp": 2, "cp": 1, "activations": "memo", "alpha": 0.5, "resident_layers": 0, **BUDGET}
-    compiled = torch.compile(model, backend=LoongBackend(options), fullgraph=True)
+    options = {"hp": 2, "cp": 1, "activations": "memo", "alpha": 0.5, "resident_layers": 0,
+               "dump_dir": dump_dir, **BUDGET}
+    reports = []
+    compiled = torch.compile(model, backend=LoongBackend(options, on_report=reports.append), fullgraph=True)
 
     def step():
-        compiled(batch.input_ids, position_ids=batch.position_ids).sum().backward()
+        compiled(batch.input_ids, position_ids=batch.position_ids, labels=batch.labels,
+                 shift_labels=batch.labels, num_items_in_batch=ids.numel() - 1).loss.backward()
 
     step()                                  # compiles: the record times runs, not tracing
     with recording(layers=LAYERS) as records:
         step()
         rows = per_layer(records)
-    return {layer: {kind: n for kind, n in row.items() if kind.endswith("_waits")}
-            for layer, row in rows.items()}
+    [reloads] = [r.summary["kinds"]["reload"] for r in reports[-1].passes
+                 if r.name == "overlap" and r.graph_kind == "backward"]
+    return ({layer: {kind: n for kind, n in row.items() if kind.endswith("_waits")}
+             for layer, row in rows.items()}, reloads)
 
 
-def _two_ranks(rank, world):
+def _two_ranks(rank, world, dump_dir):
     sections = Sections()
     for alpha in ALPHAS:
         sections.run(alpha, _no_replayed_collective, alpha)
-    sections.run("recorded", _recorded_waits)
+    sections.run("hf", _recorded_hf_llama, f"{dump_dir}/rank{rank}")
     return sections.results
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return run_distributed(_two_ranks, 2, timeout=600)
+def two_ranks(tmp_path_factory):
+    return run_distributed(_two_ranks, 2, str(tmp_path_factory.mktemp("dump")), timeout=900)
 
 
 @pytest.mark.parametrize("alpha", ALPHAS)
@@ -108,8 +121,17 @@ def test_every_wait_of_a_compiled_step_is_recorded_with_its_layer(two_ranks):
     """gpu-check's exposed time per layer: each layer's 4 exchanges forward and 4 backward
     (q, k, v, out; their gradients) land in that layer's row.  (Offload and reload waits block
     only on CUDA, where a copy is in flight.)"""
-    for rows in section_results(two_ranks, "recorded"):
+    for rows, _ in section_results(two_ranks, "hf"):
         assert rows == {layer: {"collective_waits": 8} for layer in range(LAYERS)}, rows
+
+
+def test_hf_llamas_prefetches_start_before_their_layer_and_overlap_compute(two_ranks):
+    """A user's model and habits (transformers' Llama, labels passed to it) at hp = 2 under memo:
+    in the generated backward every reload has compute before its wait and starts before its
+    layer's backward begins (passes/offload.py::hold_prefetches holds them there)."""
+    for _, reloads in section_results(two_ranks, "hf"):
+        assert reloads["starts"] > 3 * LAYERS and reloads["unwaited"] == 0
+        assert reloads["exposed"] == 0 and reloads["late_prefetches"] == 0, reloads
 
 
 def _generated_overlap(hp, cp, dump_dir):
