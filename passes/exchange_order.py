@@ -12,10 +12,12 @@ in flight.
 Used twice.  ``passes/comm_overlap.py`` orders the post-grad FX graph (it marks ``first``);
 Inductor keeps the collectives in that order (it chains them so every rank issues them
 alike) but its fusion moves compute (a RoPE kernel that also computes cos/sin jumps to where
-cos/sin was), so ``order_schedule`` orders Inductor's fused scheduler nodes again, keeping
-the collectives' order (``_compat.comm_overlap_patches`` adapts the nodes).  Order only,
-within each group's span; every dependency is checked and the input order kept if one would
-break.  Report: per group, the starts in the order chosen and the nodes moved.
+cos/sin was; k's RoPE fuses into q's), so ``order_schedule`` orders Inductor's scheduler
+nodes again before fusion, keeping the collectives' order, and returns holds that the
+backend's hook (``_compat.comm_overlap_patches``) turns into ordering-only dependencies
+fusion respects.  Order only, within each group's span; every dependency is checked and the
+input order kept if one would break.  Report: per group, the starts in the order chosen and
+the nodes moved.
 """
 
 from __future__ import annotations
