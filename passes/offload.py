@@ -63,11 +63,17 @@ def hold_prefetches(items: list[tuple[str, str, str, tuple[int, ...]]],
                     order: list[int]) -> tuple[list[int], list[tuple[int, int]], dict[str, int]]:
     """On Inductor's scheduler nodes (``_compat.comm_overlap_patches``' items, in ``order``):
     the reloads that share their inputs (one layer's prefetch) moved up to the first of them,
-    and holds ``(wait, reload)``: each reload's wait runs after every reload of its layer."""
+    and holds ``(wait, reload)``: each reload's wait runs after every reload of its layer.  A
+    node that reads a reload and nothing else is its output handle (Inductor's ``MultiOutput``
+    on some versions): a wait reading it waits for that reload."""
     layers: dict[tuple[int, ...], list[int]] = {}
+    reload_of: dict[int, int] = {}
     for i, (_, _, op, inputs) in enumerate(items):
         if op == "loong.reload":
             layers.setdefault(inputs, []).append(i)
+            reload_of[i] = i
+        elif op == "" and len(inputs) == 1 and inputs[0] in reload_of:
+            reload_of[i] = reload_of[inputs[0]]
     position = {node: p for p, node in enumerate(order)}
     holds, moved = [], 0
     for reloads in layers.values():
@@ -77,10 +83,10 @@ def hold_prefetches(items: list[tuple[str, str, str, tuple[int, ...]]],
         order = [n for n in order if n not in later]
         at = order.index(reloads[0]) + 1
         order[at:at] = reloads[1:]
-        members = set(reloads)
-        holds += [(w, r) for w, (_, _, op, inputs) in enumerate(items)
-                  if op == "loong.wait_tensor" and members & set(inputs)
-                  for r in reloads if r not in inputs]
+        for w, (_, _, op, inputs) in enumerate(items):
+            waited = {reload_of[i] for i in inputs if i in reload_of}
+            if op == "loong.wait_tensor" and waited & set(reloads):
+                holds += [(w, r) for r in reloads if r not in waited]
     return order, holds, {"prefetch_layers": len(layers), "reloads_moved": moved, "waits_held": len(holds)}
 
 

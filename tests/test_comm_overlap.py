@@ -105,3 +105,10 @@ def test_a_layers_prefetches_are_issued_together_and_its_waits_held_after_them()
     assert [items[i][0] for i in order] == ["anchor", "reload_a", "reload_b", "wait_a", "use_a", "wait_b"]
     assert sorted(holds) == [(2, 4), (5, 1)]
     assert report == {"prefetch_layers": 1, "reloads_moved": 1, "waits_held": 2}
+    # on torch 2.13 a reload's result reaches its wait through an output handle (MultiOutput)
+    handled = items[:2] + [("handle_a", "kernel", "", (1,)), ("wait_a", "kernel", "loong.wait_tensor", (2, 0)),
+                           ("use_a", "kernel", "", (3,)), ("reload_b", "kernel", "loong.reload", (0,)),
+                           ("handle_b", "kernel", "", (5,)), ("wait_b", "kernel", "loong.wait_tensor", (6, 0))]
+    order, holds, _ = hold_prefetches(handled, list(range(len(handled))))
+    assert sorted(holds) == [(3, 5), (7, 1)]
+    assert order.index(5) < order.index(3)
