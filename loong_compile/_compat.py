@@ -260,8 +260,10 @@ def _order_scheduler_nodes(order_schedule, snodes: list) -> list:
         inputs = sorted({owner[d.name] for d in snode.unmet_dependencies if owner.get(d.name, i) < i})
         items.append((snode.get_name(), kind, op, tuple(inputs)))
     order, holds = order_schedule(items)
+    if not holds and order == list(range(len(snodes))):
+        return snodes
     for node, other in holds:
-        waiting = next(iter(snodes[node].get_buffer_names()))
+        waiting = next(iter(snodes[node].get_buffer_names()), snodes[node].get_name())
         for buf in snodes[other].get_buffer_names():
             snodes[node].add_fake_dep(WeakDep(buf, mutating_buf=waiting, is_fake=True))
     scheduler = snodes[0].scheduler

@@ -63,10 +63,12 @@ def order_exchanges(nodes: list[Node]) -> tuple[list[int], list[tuple[int, int]]
     """A dependency-preserving order of ``nodes`` (positions); the holds ``(node, start)`` that
     keep it (each node of a chain runs after the start before it: without them Inductor fuses
     the RoPE of k with q's, and both start after one kernel); the report of what moved."""
-    ancestors = _ancestors(nodes)
     order = list(range(len(nodes)))
     holds: list[tuple[int, int]] = []
     report: dict[str, Any] = {"groups": []}
+    if sum(n.kind == "start" for n in nodes) < 2:    # no group to order: skip the ancestor sets
+        return order, holds, report
+    ancestors = _ancestors(nodes)
     for group in _groups([i for i, n in enumerate(nodes) if n.kind == "start"], ancestors):
         if len(group) < 2:
             continue
