@@ -212,8 +212,11 @@ def last_in_order(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> torc
 # -- module paths ---------------------------------------------------------------------------
 
 # Dynamo writes a module path as ``L['self'].layers[3]._modules['mlp']`` (or ``.layers.3.mlp``);
-# its root is the compiled function's local (``L['self']``).
-_PATH_ROOT = re.compile(r"^L\['[^']*'\]")
+# its root is where the compiled function found the module: a local or a global, indexed or
+# not (``L['self']``, ``L['args'][0]`` when transformers wraps ``forward``, ``G['model']`` or
+# ``L['model']`` for a step function that calls the model).  Paths are read from the root on,
+# so a layer is ``model.layers.3`` however the model was reached.
+_PATH_ROOT = re.compile(r"^[LG]\['[^']*'\](?:\[\d+\]|\['[^']*'\])*")
 _PATH_PART = re.compile(r"\.(\w+)|\[(\d+)\]|\['([^']+)'\]")
 
 

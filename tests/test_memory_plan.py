@@ -28,6 +28,10 @@ def test_module_paths_to_layer_keys():
     assert layer_of_paths(["L['self'].model", "L['self'].model.layers.3",
                            "L['self'].model.layers.3.experts.5"]) == "model.layers.3"
     assert layer_of_paths(["L['self'].lm_head"]) is None
+    # However the compiled function reached the model (transformers' wrapped forward, a step
+    # function's global or local), the layer is named from the model on.
+    for root in ("L['args'][0]", "G['model']", "L['model']", "L['kwargs']['model']"):
+        assert layer_of_paths([root, f"{root}.model.layers.2"]) == "model.layers.2", root
     origins = [("a", ["L['s'].layers.0"]), ("b", ["L['s'].layers.1"]), ("c", []),
                ("d", ["L['s'].layers.1"]), ("e", ["L['s'].layers.0"])]
     assert layer_of_origins(origins) == "layers.0"  # tie: the latest origin's layer
