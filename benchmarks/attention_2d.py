@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from loong_compile.data import mesh_token_indices
-from loong_compile.mesh import init_mesh
+from loong_compile.parallel.tokens import mesh_token_indices
+from loong_compile.parallel.mesh import init_mesh
 from loong_compile.ops import attention_2d, comm_counters, reset_comm_counters
 from loong_compile.ops.kernels import kernel_name
 

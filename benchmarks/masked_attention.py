@@ -21,8 +21,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from loong_compile.data import local_token_indices, mesh_token_indices
-from loong_compile.mesh import init_mesh
+from loong_compile.parallel.tokens import local_token_indices, mesh_token_indices
+from loong_compile.parallel.mesh import init_mesh
 from loong_compile.ops import attention_2d, comm_counters, reset_comm_counters
 from loong_compile.ops.kernels import accumulation_dtype
 from loong_compile.ops.mask_plan import key_intervals, mask_plan

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MINIMALLOC_DIR = ROOT.parent / "shared" / "benchmarks" / "minimalloc"
 
 from loong_compile.planner import Buffer, plan, plan_bilevel  # noqa: E402
+from loong_compile.report.allocator import measure_peak_bytes  # noqa: E402
 
 def load_minimalloc(path: Path) -> list[Buffer]:
     """A MiniMalloc CSV (``id,lower,upper,size``; live on ``[lower, upper)``) as buffers."""
@@ -126,8 +127,6 @@ def training_step_peaks(model, ids, options: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from loong_compile import _compat
-
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="inductor", options=options, fullgraph=True)
 
@@ -138,13 +137,13 @@ def training_step_peaks(model, ids, options: dict) -> dict:
     t0 = time.monotonic()
     for step in range(2):
         if step:
-            logits, forward_peak = _compat.measure_peak_bytes(forward)
+            logits, forward_peak = measure_peak_bytes(forward)
         else:
             logits = forward()
         loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
         del logits
         if step:
-            _, backward_peak = _compat.measure_peak_bytes(loss.backward)
+            _, backward_peak = measure_peak_bytes(loss.backward)
         else:
             loss.backward()
             compile_s = time.monotonic() - t0
@@ -156,7 +155,7 @@ def run_models(kind: str, layers: list[int], time_limit: float, seq: int, dim: i
                heads: int, kv_heads: int, batch: int) -> list[dict]:
     import torch
 
-    from loong_compile import _compat
+    from loong_compile._compat.pool_planner import pool_planning_patches
     from loong_compile.passes.memory_plan import inductor_config_patches, request_buffers
 
     rows = []
@@ -169,7 +168,7 @@ def run_models(kind: str, layers: list[int], time_limit: float, seq: int, dim: i
 
         plain = training_step_peaks(
             make_model(kind, n, dim, ffn, heads, kv_heads), ids,
-            {**_compat.pool_planning_patches(capture, f"capture-{time.time()}"),
+            {**pool_planning_patches(capture, f"capture-{time.time()}"),
              "fx_graph_cache": False})
         planned = training_step_peaks(
             make_model(kind, n, dim, ffn, heads, kv_heads), ids,

@@ -4,7 +4,7 @@
 
 The example Llama (examples/llama.py, its defaults: dim 128, 4 layers, 4 heads, 2 KV heads),
 one sequence of ``--seq`` tokens, compiled by Inductor through the ``loong`` backend with
-``dump_dir`` set (so the backend reads each graph's generated code: ``loong_compile.overlap``).
+``dump_dir`` set (so the backend reads each graph's generated code: ``loong_compile.report.overlap``).
 Configurations: ``none``, ``sc++`` and ``memo`` on one rank, then ``memo`` on 4 gloo ranks at
 hp x cp = 2x2, 4x1 and 1x4 (``memo``: the given alpha, every layer swapped), and ``none`` at
 2x2 (the all-to-alls without host copies).

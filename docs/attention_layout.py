@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from loong_compile.data import local_token_indices
-from loong_compile.mesh import rank_layout
+from loong_compile.parallel.tokens import local_token_indices
+from loong_compile.parallel.mesh import rank_layout
 from loong_compile.ops.ring import ring_schedule
 
 

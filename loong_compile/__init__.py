@@ -26,11 +26,11 @@ _LAZY = {
     "LoongBackend": "loong_compile.backend",
     "loong_backend": "loong_compile.backend",
     "explain": "loong_compile.explain",
-    "GraphReport": "loong_compile.inspect",
-    "Report": "loong_compile.inspect",
-    "init_mesh": "loong_compile.mesh",
-    "shard_batch": "loong_compile.data",
-    "gather_sequence": "loong_compile.data",
+    "GraphReport": "loong_compile.report",
+    "Report": "loong_compile.report",
+    "init_mesh": "loong_compile.parallel.mesh",
+    "shard_batch": "loong_compile.parallel.tokens",
+    "gather_sequence": "loong_compile.parallel.tokens",
 }
 
 
@@ -45,10 +45,10 @@ def __getattr__(name: str) -> Any:
 def _register_backend_unless_installed() -> None:
     if any(ep.name == "loong" for ep in entry_points(group="torch_dynamo_backends")):
         return  # Dynamo loads it from the entry point itself
-    from loong_compile import _compat
+    from loong_compile._compat.dynamo import register_dynamo_backend
     from loong_compile.backend import loong_backend
 
-    _compat.register_dynamo_backend("loong", loong_backend)
+    register_dynamo_backend("loong", loong_backend)
 
 
 _register_backend_unless_installed()

@@ -8,8 +8,10 @@ Stages (docs/architecture.md has a paragraph on each):
    ``lowering="aot_eager"``), runs the joint-graph passes, PyTorch's min-cut
    partition, then the passes that see the forward and backward graphs together.
 3. ``post_grad``: passes on Inductor's post-grad graphs (``post_grad_custom_post_pass``).
-4. Inductor generates the kernels; ``inductor``: passes that place its buffers in memory
-   pools (``_compat.pool_planning_patches``), once per compiled graph.
+4. ``schedule``: passes on Inductor's scheduler nodes before fusion (their order and
+   ordering-only holds, ``_compat.inductor.scheduler_patches``), once per compiled graph.
+5. Inductor generates the kernels; ``inductor``: passes that place its buffers in memory
+   pools (``_compat.pool_planner.pool_planning_patches``), once per compiled graph.
 
 Every hook is handed to ``compile_fx`` as ``config_patches``, so no global
 torch config is changed by a compile.
@@ -24,7 +26,6 @@ import itertools
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,21 +33,21 @@ import torch.distributed as dist
 import torch.fx
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
-from loong_compile import _compat, input_checks, overlap, rank_check
+from loong_compile import _compat
+from loong_compile._compat.aot import aot_autograd
+from loong_compile._compat.inductor import (
+    LoongPartitioner, LoongPostGrad, comm_overlap_patches, compile_fx, on_next_output_code, scheduler_patches,
+)
+from loong_compile._compat.pool_planner import pool_planning_patches
+from loong_compile.checks import inputs as input_checks
+from loong_compile.checks import ranks as rank_check
 from loong_compile.config import LoongConfig
 from loong_compile.errors import LoongConfigError
-from loong_compile.inspect import Dumper, GraphReport, PassRecord
-from loong_compile.passes import exchange_order, offload
-from loong_compile.passes.base import STAGES, GraphPass, PassContext, SplitGraphs, check_contracts
+from loong_compile.passes import library_passes, library_source_digest
+from loong_compile.passes.base import STAGES, GraphPass, PassContext, ScheduleRequest, SplitGraphs, check_contracts
+from loong_compile.report import Dumper, GraphReport, PassRecord, overlap
 
 _graph_ids = itertools.count()
-
-
-def default_passes() -> list[GraphPass]:
-    """The library's passes, in pipeline order; each decides from the config whether it applies."""
-    from loong_compile.passes import library_passes
-
-    return library_passes()
 
 
 class LoongBackend:
@@ -61,7 +62,7 @@ class LoongBackend:
                  passes: Sequence[GraphPass] | None = None,
                  on_report: Callable[[GraphReport], None] | None = None):
         self.config = LoongConfig.from_options(options)
-        self.passes = list(default_passes() if passes is None else passes)
+        self.passes = list(library_passes() if passes is None else passes)
         self.on_report = on_report
         _check_pass_names(self.passes, self.config)
         self.schedule, self.skipped = _assemble(self.passes, self.config)
@@ -175,10 +176,10 @@ class _GraphCompile:
         if lowering == "eager":
             return self.gm.forward
         if lowering == "aot_eager":
-            return _compat.aot_autograd(
+            return aot_autograd(
                 fw_compiler=self._aot_eager_compiler, bw_compiler=self._aot_eager_compiler,
                 partition_fn=self.partition)(self.gm, example_inputs)
-        return _compat.compile_fx(self.gm, example_inputs, config_patches=self._inductor_patches())
+        return compile_fx(self.gm, example_inputs, config_patches=self._inductor_patches())
 
     def _check_ranks_agree(self) -> None:
         """Before the graph's first collective runs, all ranks confirm they compiled the same."""
@@ -215,14 +216,16 @@ class _GraphCompile:
     def _inductor_patches(self) -> dict[str, Any]:
         key = self._cache_key()
         patches: dict[str, Any] = {
-            "custom_partitioner_fn": _compat.LoongPartitioner(self.partition, key),
-            "post_grad_custom_post_pass": _compat.LoongPostGrad(self._post_grad, key),
-            # q/k/v exchanges started in the order that leaves each compute to hide behind, a
-            # layer's prefetches issued before its backward, every wait as late as its first use
-            **_compat.comm_overlap_patches(self._order_schedule),
+            "custom_partitioner_fn": LoongPartitioner(self.partition, key),
+            "post_grad_custom_post_pass": LoongPostGrad(self._post_grad, key),
+            **comm_overlap_patches(),      # every collective's wait as late as its first use
         }
+        if self.active["schedule"]:
+            # Inductor's scheduler nodes through the schedule stage (a pre-fusion pass that is
+            # no CustomSchedulerPass: Inductor bypasses its FX graph cache for these graphs)
+            patches.update(scheduler_patches(self._schedule))
         if self.active["inductor"]:
-            patches.update(_compat.pool_planning_patches(self._plan_memory, key))
+            patches.update(pool_planning_patches(self._plan_memory, key))
         if self.config.dump_dir or self.active["post_grad"] or self.active["inductor"]:
             # A cache hit skips the passes that run inside Inductor: the dump would miss stages
             # the user asked to see, and their reports (the memory plan's pools, bound and
@@ -231,7 +234,7 @@ class _GraphCompile:
         return patches
 
     def _plan_memory(self, request: Any) -> None:
-        """One compiled graph's buffers (a ``_compat.PoolRequest``) through the inductor stage."""
+        """One compiled graph's buffers (a ``_compat.inductor_pools.PoolRequest``) through the inductor stage."""
         self.run_stage("inductor", request, request.graph_kind)
 
     def _post_grad(self, graph: torch.fx.Graph, is_inference: bool) -> None:
@@ -239,25 +242,18 @@ class _GraphCompile:
         kind = "inference" if is_inference else ("backward" if is_backward else "forward")
         self.run_stage("post_grad", graph, kind)
         self._scheduling_kind = kind
-        _compat.on_next_output_code(functools.partial(self._record_overlap, kind))
+        on_next_output_code(functools.partial(self._record_overlap, kind))
 
-    def _order_schedule(self, items: list) -> tuple[list[int], list[tuple[int, int]]]:
-        """Inductor's scheduler nodes of the graph being lowered, before fusion: the exchanges'
-        order (``passes/exchange_order.py``), then each layer's prefetch held before its
-        backward (``passes/offload.py``); recorded where there is either."""
-        order, holds, exchanges = exchange_order.order_schedule(items)
-        order, prefetch_holds, prefetches = offload.hold_prefetches(items, order)
-        groups = exchanges["groups"]
-        if groups or prefetches["prefetch_layers"]:
-            self.report.passes.append(PassRecord("schedule_order", "inductor", self._scheduling_kind, 0.0, {
-                "matched": len(groups) + prefetches["prefetch_layers"],
-                "changed": sum(g["nodes_moved"] > 0 for g in groups) + prefetches["reloads_moved"],
-                "exchanges": exchanges, "prefetches": prefetches}))
-        return order, holds + prefetch_holds
+    def _schedule(self, items: list) -> tuple[list[int], list[tuple[int, int]]]:
+        """Inductor's scheduler nodes of the graph being lowered, before fusion, through the
+        ``schedule`` stage: the order and ordering-only holds its passes chose."""
+        request = ScheduleRequest(items)
+        self.run_stage("schedule", request, self._scheduling_kind)
+        return request.order, request.holds
 
     def _record_overlap(self, graph_kind: str, code: str) -> None:
         """What Inductor generated for this graph: each async start and the compute kernels
-        scheduled before its wait (``loong_compile.overlap``)."""
+        scheduled before its wait (``loong_compile.report.overlap``)."""
         spans = overlap.overlap_of(code)
         self.dumper.graph("inductor", graph_kind, "code", code)
         self.report.passes.append(PassRecord("overlap", "inductor", graph_kind, 0.0, {
@@ -272,20 +268,6 @@ class _GraphCompile:
         h.update(",".join(p.name for s in STAGES for p in self.active[s]).encode())
         h.update(library_source_digest().encode())
         return h.hexdigest()
-
-
-@functools.lru_cache(maxsize=1)
-def library_source_digest() -> str:
-    """One hash of every .py file of loong_compile (the passes install inside it): part of
-    every cache key of code our hooks generate."""
-    import loong_compile
-    import loong_compile.passes
-
-    roots = {Path(loong_compile.__file__).parent, Path(loong_compile.passes.__file__).parent}
-    h = hashlib.sha256()
-    for path in sorted(p for root in roots for p in root.rglob("*.py")):
-        h.update(path.read_bytes())
-    return h.hexdigest()
 
 
 def _is_loong_op(target: Any) -> bool:
@@ -303,6 +285,6 @@ def _mesh_for(config: LoongConfig) -> Any:
     initialized = dist.is_available() and dist.is_initialized()
     if not initialized and config.sp == 1:
         return None
-    from loong_compile.mesh import mesh_for_options
+    from loong_compile.parallel.mesh import mesh_for_options
 
     return mesh_for_options(config)

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from loong_compile.errors import LoongConfigError, LoongError
-from loong_compile.layout import ACTIVATION_POLICIES, ESTIMATED_POLICIES, PLACEMENTS
+from loong_compile.parallel.rules import ACTIVATION_POLICIES, ESTIMATED_POLICIES, PLACEMENTS
 
 _SUFFIX = {"": 1, "k": 1024, "m": 1024 ** 2}
 _PLAN_WIDTH = 156   # the ranked table's natural width; narrower consoles would truncate its cells
@@ -173,7 +173,7 @@ def _masked_model(model, args, console):
 
 def run_estimate(args, console) -> int:
     from loong_compile.estimate.memory import ParallelConfig, estimate_memory
-    from loong_compile.estimate.models import load_model
+    from loong_compile.estimate.presets import load_model
 
     model = _masked_model(load_model(args.model), args, console)
     hardware = _hardware(args, required=False)
@@ -233,7 +233,7 @@ def run_estimate(args, console) -> int:
 
 
 def run_plan(args, console) -> int:
-    from loong_compile.estimate.models import load_model
+    from loong_compile.estimate.presets import load_model
     from loong_compile.estimate.rationale import explain_rank
     from loong_compile.estimate.search import plan
     from loong_compile.estimate.validation import published_reference

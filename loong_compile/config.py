@@ -2,7 +2,7 @@
 
 Environment variables give defaults (``LOONG_HP=2``); explicit ``options``
 override them.  Every key is validated here, once, and so is the one rule
-between keys (the inner ring divides cp, ``loong_compile.layout``), so passes
+between keys (the inner ring divides cp, ``loong_compile.parallel.rules``), so passes
 and ops can trust the values they read.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from loong_compile.errors import LoongConfigError
-from loong_compile.layout import (
+from loong_compile.parallel.rules import (
     ACTIVATION_POLICIES, PLACEMENTS, ActivationPolicy, Placement, inner_ring_violation,
 )
 

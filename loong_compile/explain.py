@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
-from loong_compile import _compat
+from loong_compile._compat.aot import eager_backward_compile
 from loong_compile.backend import LoongBackend
 from loong_compile.config import LoongConfig
-from loong_compile.inspect import GraphReport, Report
+from loong_compile.report import GraphReport, Report
 
 
 def explain(model: Any, *example_inputs: Any, options: dict | LoongConfig | None = None,
@@ -28,6 +28,6 @@ def explain(model: Any, *example_inputs: Any, options: dict | LoongConfig | None
     model_kwargs = {k: v for k, v in kwargs.items() if k not in fields}
     graphs: dict[int, GraphReport] = {}
     backend = LoongBackend(merged, on_report=lambda r: graphs.__setitem__(r.graph_id, r))
-    with _compat.eager_backward_compile():
+    with eager_backward_compile():
         torch.compile(model, backend=backend)(*example_inputs, **model_kwargs)
     return Report(graphs=[graphs[k] for k in sorted(graphs)])

@@ -1,30 +1,70 @@
-"""Graph passes of loong_compile (installed as ``loong_compile.passes``).
+"""Graph passes of loong_compile (installed as ``loong_compile.passes``), one subpackage per
+stage of the pipeline, in the order they run:
 
-``library_passes()`` lists them in pipeline order.  Each pass class declares the facts it
-``requires`` and ``provides`` (see ``base``); each pass module's docstring says the stage it
-runs at, what it matches and what it emits.
+=====================  ==========================  =====================================
+subpackage             stage(s)                    what it does
+=====================  ==========================  =====================================
+``attention``          dynamo                      attention calls -> 2D-Attention
+``safety``             dynamo                      nothing else mixes a rank's tokens
+``activations``        joint, split                checkpoint / offload / token-slice
+                                                   recompute (MEMO)
+``schedule``           post_grad, schedule         when exchanges and host copies start
+                                                   and are waited on
+``memory_plan``        inductor                    static offsets of Inductor's buffers
+=====================  ==========================  =====================================
+
+``base`` holds the stages and the pass contract; ``fx_util`` and ``subgraphs`` the FX facts
+the stages share.  Each pass class declares the facts it ``requires``, ``provides`` and
+``uses`` (checked when the backend assembles the pipeline); each subpackage's docstring says
+what its stage needs from earlier ones and leaves for later ones.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+from pathlib import Path
+
 
 def library_passes() -> list:
-    from loong_compile.passes.activations import ActivationsPass
-    from loong_compile.passes.attention_2d import Attention2DPass
-    from loong_compile.passes.checkpoint import SelectiveCheckpointPass
-    from loong_compile.passes.comm_overlap import CommOverlapPass
+    """The library's passes, in pipeline order; each decides from the config whether it applies."""
+    from loong_compile.passes.activations.checkpoint import SelectiveCheckpointPass
+    from loong_compile.passes.activations.classify import ActivationsPass
+    from loong_compile.passes.activations.offload import OffloadPass
+    from loong_compile.passes.activations.recompute import TokenSliceRecomputePass
+    from loong_compile.passes.attention.attention_2d import Attention2DPass
     from loong_compile.passes.memory_plan import MemoryPlanPass
-    from loong_compile.passes.offload import OffloadPass
-    from loong_compile.passes.recompute import TokenSliceRecomputePass
-    from loong_compile.passes.token_locality import TokenLocalityPass
+    from loong_compile.passes.safety.token_locality import TokenLocalityPass
+    from loong_compile.passes.schedule.comm_overlap import CommOverlapPass
+    from loong_compile.passes.schedule.exchange_order import ExchangeOrderPass
+    from loong_compile.passes.schedule.prefetch_order import PrefetchOrderPass
 
     return [
+        # dynamo
         Attention2DPass(),
         TokenLocalityPass(),
+        # joint, split
         SelectiveCheckpointPass(),
         ActivationsPass(),
         TokenSliceRecomputePass(),
         OffloadPass(),
+        # post_grad, schedule
         CommOverlapPass(),
+        ExchangeOrderPass(),     # first at its stage: it orders Inductor's nodes as they came
+        PrefetchOrderPass(),
+        # inductor
         MemoryPlanPass(),
     ]
+
+
+@functools.lru_cache(maxsize=1)
+def library_source_digest() -> str:
+    """One hash of every .py file of loong_compile and its passes: part of every cache key of
+    code our hooks generate (a change to a pass or an op is a cache miss)."""
+    import loong_compile
+
+    roots = {Path(loong_compile.__file__).parent, Path(__file__).parent}
+    h = hashlib.sha256()
+    for path in sorted(p for root in roots for p in root.rglob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()

@@ -18,13 +18,18 @@ split      ``SplitGraphs``: forward and backward        inductor, aot_eager
            values saved between them
 post_grad  Inductor's post-grad ``torch.fx.Graph``      inductor
            (forward and backward separately)
-inductor   ``_compat.PoolRequest``: one compiled       inductor
+schedule   ``ScheduleRequest``: Inductor's scheduler   inductor
+           nodes of one graph, before fusion; passes
+           set their order and ordering-only holds
+inductor   ``_compat.inductor_pools.PoolRequest``: one compiled       inductor
            graph's intermediate buffers, their live
            ranges and the bytes held beside them,
            inside Inductor's wrapper codegen
 =========  ==========================================  =========================
 
-Contracts: each pass class declares ``requires`` and ``provides``, tuples of named *facts*.
+Contracts: each pass class declares ``requires`` and ``provides``, tuples of named *facts*
+(and ``uses``: facts it reads when a running pass provides them, as long as that pass runs
+before it).
 A fact is something one pass establishes for later ones: a value it leaves in
 ``PassContext.state`` under the fact's name (a constant the providing pass's module owns,
 e.g. ``activations.ACTIVATION_PLAN``), or a property of the graph it rewrote (e.g.
@@ -40,13 +45,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch.fx
 
+from loong_compile.config import LoongConfig
 from loong_compile.errors import LoongConfigError
 
-STAGES = ("dynamo", "joint", "split", "post_grad", "inductor")
+STAGES = ("dynamo", "joint", "split", "post_grad", "schedule", "inductor")
 
 
 @dataclasses.dataclass
@@ -68,11 +74,47 @@ class SplitGraphs:
         return [n for n in outputs[self.num_fwd_outputs:] if isinstance(n, torch.fx.Node)]
 
 
+class ScheduleItem(NamedTuple):
+    """One of Inductor's scheduler nodes, in Inductor's order: ``kind`` is "start" (a
+    collective), "wait" (its wait), "nop" or "kernel"; ``op`` the fallback op's qualified name
+    ("" for generated kernels); ``inputs`` the positions of the nodes it depends on."""
+
+    name: str
+    kind: str
+    op: str
+    inputs: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class ScheduleRequest:
+    """The graph of the ``schedule`` stage: one compiled graph's scheduler nodes before fusion.
+    Passes rewrite ``order`` (positions into ``items``) and add ``holds`` ``(node, other)``:
+    ``node`` runs after ``other``, an ordering-only dependency fusion respects."""
+
+    items: list[ScheduleItem]
+    order: list[int] = dataclasses.field(default_factory=list)
+    holds: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.items = [ScheduleItem(*item) for item in self.items]
+        self.order = self.order or list(range(len(self.items)))
+
+    def __str__(self) -> str:
+        held: dict[int, list[int]] = {}
+        for node, other in self.holds:
+            held.setdefault(node, []).append(other)
+        lines = [f"{p:5d} {self.items[p].name} {self.items[p].kind} {self.items[p].op}"
+                 f" <- {list(self.items[p].inputs)}"
+                 + (f" after {[self.items[o].name for o in held[p]]}" if p in held else "")
+                 for p in self.order]
+        return "\n".join(lines)
+
+
 @dataclasses.dataclass
 class PassContext:
     """What a pass may read besides the graph: the config, the mesh, where it runs."""
 
-    config: Any                   # LoongConfig
+    config: LoongConfig
     mesh: Any = None              # LoongMesh, or None in a single process
     rank: int = 0
     graph_id: int = 0
@@ -85,14 +127,33 @@ class PassContext:
 class GraphPass(Protocol):
     name: ClassVar[str]
     stage: ClassVar[str]
-    requires: ClassVar[tuple[str, ...]]    # facts an earlier pass must provide (may be absent: none)
-    provides: ClassVar[tuple[str, ...]]    # facts this pass establishes (may be absent: none)
+    requires: ClassVar[tuple[str, ...]]    # facts an earlier pass must provide
+    provides: ClassVar[tuple[str, ...]]    # facts this pass establishes
+    uses: ClassVar[tuple[str, ...]]        # facts read if a running pass provides them
 
-    def enabled(self, config: Any) -> bool:
+    def enabled(self, config: LoongConfig) -> bool:
         """Whether the pass applies under this config (before ``disable_passes``)."""
 
     def run(self, graph: Any, ctx: PassContext) -> dict[str, Any]:
         """Rewrite ``graph`` in place; return the summary for the report."""
+
+
+class Pass:
+    """The base of the library's passes: the defaults of ``GraphPass`` (no facts required,
+    provided or used; enabled under every config).  A subclass sets ``name`` and ``stage``,
+    overrides what differs and implements ``run``."""
+
+    name: ClassVar[str]
+    stage: ClassVar[str]
+    requires: ClassVar[tuple[str, ...]] = ()
+    provides: ClassVar[tuple[str, ...]] = ()
+    uses: ClassVar[tuple[str, ...]] = ()
+
+    def enabled(self, config: LoongConfig) -> bool:
+        return True
+
+    def run(self, graph: Any, ctx: PassContext) -> dict[str, Any]:
+        raise NotImplementedError
 
 
 def check_contracts(schedule: Sequence[GraphPass], off: dict[str, str], passes: Sequence[GraphPass]) -> None:
@@ -123,4 +184,11 @@ def check_contracts(schedule: Sequence[GraphPass], off: dict[str, str], passes: 
                 f"pass {p.name!r} requires {fact!r}, provided by pass {provider.name!r}, "
                 f"which does not run before it ({why})",
                 "every fact a pass requires is provided by an earlier enabled pass", fix)
+        for fact in getattr(p, "uses", ()):
+            late = [q.name for q in schedule[schedule.index(p) + 1:] if fact in getattr(q, "provides", ())]
+            if late and fact not in provided:
+                raise LoongConfigError(
+                    f"pass {p.name!r} reads {fact!r}, provided by pass {late[0]!r}, which runs after it",
+                    "a fact a pass reads is provided before it, or not at all",
+                    f"run {late[0]!r} before {p.name!r} (its stage or its place in the pass list)")
         provided.update(getattr(p, "provides", ()))

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import flop_registry
 
-from loong_compile import _compat
+from loong_compile._compat.aot import fake_mode_of, size_hint
 
 aten = torch.ops.aten
 
@@ -135,9 +135,9 @@ def nbytes(node: torch.fx.Node) -> int:
     if not isinstance(val, torch.Tensor):
         return 0
     try:
-        return _compat.size_hint(val.untyped_storage().nbytes())
+        return size_hint(val.untyped_storage().nbytes())
     except (NotImplementedError, RuntimeError):
-        return _compat.size_hint(val.numel()) * val.element_size()
+        return size_hint(val.numel()) * val.element_size()
 
 
 def node_flops(node: torch.fx.Node) -> int:
@@ -174,7 +174,7 @@ def set_meta(node: torch.fx.Node) -> None:
     if node.target is operator.getitem:
         node.meta["val"] = args[0][args[1]]
         return
-    fake_mode = _compat.fake_mode_of([a.meta.get("val") for a in node.all_input_nodes])
+    fake_mode = fake_mode_of([a.meta.get("val") for a in node.all_input_nodes])
     if fake_mode is None:
         raise RuntimeError(f"no fake values on the inputs of {node.format_node()}")
     with fake_mode:

@@ -3,7 +3,7 @@
 Stage ``inductor``: runs inside Inductor's wrapper codegen, once per compiled
 graph (forward, backward, inference) and device, through the hook in
 ``loong_compile._compat`` (``pool_planning_patches``).  The graph handed to
-``run`` is a ``_compat.PoolRequest``: the graph's intermediate buffer groups
+``run`` is a ``_compat.inductor_pools.PoolRequest``: the graph's intermediate buffer groups
 with sizes, half-open live ranges in Inductor's planning steps and their
 origin nodes' ``nn_module_stack`` paths, plus the bytes everything else holds
 at each step (the background: outputs, saved activations, extern buffers)
@@ -31,9 +31,12 @@ import hashlib
 import types
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
-from loong_compile import _compat
+from loong_compile._compat.inductor_pools import PoolRequest
+from loong_compile._compat.pool_planner import pool_planning_patches
+from loong_compile.passes import library_source_digest
+from loong_compile.passes.base import Pass
 from loong_compile.passes.fx_util import layer_of_paths
 from loong_compile.planner import Buffer
 from loong_compile.planner.pools import PoolPlan, layout_peak, plan_pools
@@ -51,24 +54,21 @@ def layer_of_origins(origins: Sequence[tuple[str, Sequence[str]]]) -> str | None
     return [layer for layer in layers if counts[layer] == top][-1]
 
 
-def request_buffers(request: _compat.PoolRequest) -> list[Buffer]:
+def request_buffers(request: PoolRequest) -> list[Buffer]:
     """The planner's view of one graph's intermediates."""
     return [Buffer(b.size, b.start, b.end, name=b.names[0], layer=layer_of_origins(b.origins))
             for b in request.buffers]
 
 
-class MemoryPlanPass:
+class MemoryPlanPass(Pass):
     """Place Inductor's intermediates in pools at offsets from the bi-level MIP (``memory_plan=True``).
 
     ``bilevel=False`` plans each pool flat (for comparison).  The backend runs
-    it at stage ``inductor`` through ``_compat.pool_planning_patches``; outside
+    it at stage ``inductor`` through ``_compat.pool_planner.pool_planning_patches``; outside
     the backend, :func:`inductor_config_patches` does the same for plain Inductor.
     """
 
-    name: ClassVar[str] = "memory_plan"
-    stage: ClassVar[str] = "inductor"
-    requires: ClassVar[tuple[str, ...]] = ()
-    provides: ClassVar[tuple[str, ...]] = ()
+    name, stage = "memory_plan", "inductor"
 
     def __init__(self, bilevel: bool = True):
         self.bilevel = bilevel
@@ -76,7 +76,7 @@ class MemoryPlanPass:
     def enabled(self, config: Any) -> bool:
         return bool(getattr(config, "memory_plan", False))
 
-    def run(self, request: _compat.PoolRequest, ctx: Any) -> dict[str, Any]:
+    def run(self, request: PoolRequest, ctx: Any) -> dict[str, Any]:
         buffers = request_buffers(request)
         summary: dict[str, Any] = {"graph": request.graph_name, "device": request.device,
                                    "matched": len(buffers), "changed": 0}
@@ -104,7 +104,7 @@ class MemoryPlanPass:
         return summary
 
 
-def layout_summary(layout: PoolPlan, request: _compat.PoolRequest) -> dict[str, Any]:
+def layout_summary(layout: PoolPlan, request: PoolRequest) -> dict[str, Any]:
     """The report's numbers: the whole-graph arena against the lower bound and Inductor's
     own pools, then the layout used and the peaks (bytes held at once, background included)."""
     whole = layout.whole
@@ -146,12 +146,10 @@ def inductor_config_patches(time_limit: float = 10.0, bilevel: bool = True,
     ctx = types.SimpleNamespace(config=types.SimpleNamespace(solver_time_limit=time_limit),
                                 state={})
 
-    def hook(request: _compat.PoolRequest) -> None:
+    def hook(request: PoolRequest) -> None:
         summary = memory_pass.run(request, ctx)
         if on_summary is not None:
             on_summary(summary)
 
-    from loong_compile.backend import library_source_digest  # the backend imports this module
-
     key = hashlib.sha256(f"{time_limit},{bilevel},{library_source_digest()}".encode())
-    return _compat.pool_planning_patches(hook, key.hexdigest())
+    return pool_planning_patches(hook, key.hexdigest())

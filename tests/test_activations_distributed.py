@@ -1,7 +1,7 @@
 """Activation policies under 2D-Attention on 4 gloo ranks: the same loss and gradients as one
 process on the full sequence, and every rank agreeing on MEMO's alpha.
 
-Needs the attention rewrite (``loong_compile.passes.attention_2d``); one spawn runs every
+Needs the attention rewrite (``loong_compile.passes.attention.attention_2d``); one spawn runs every
 configuration (a module fixture), the tests read its sections.
 """
 
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import BATCH, BUDGET, MODELS, SEQ, Sections, section_results, sharded_step
-from loong_compile.estimate.alpha import agree_min
-from loong_compile.mesh import init_mesh
+from loong_compile.passes.activations.measure import agree_min
+from loong_compile.parallel.mesh import init_mesh
 from loong_compile.testing import run_distributed
 
 # (model, hp, cp, activations, alpha[, lowering]); resident_layers=0 so the 2 layers are

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loong_compile.estimate.alpha import (
-    AlphaInputs, agree_min, available_host_memory, evaluate_alpha, measure_host_bandwidth,
-    measure_matmul_rate, solve_alpha,
+from loong_compile.estimate.alpha import AlphaInputs, evaluate_alpha, solve_alpha
+from loong_compile.passes.activations.measure import (
+    agree_min, available_host_memory, measure_host_bandwidth, measure_matmul_rate,
 )
 
 MB = 2**20

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from helpers import Sections, section_results
-from loong_compile.data import mesh_token_indices
-from loong_compile.mesh import init_mesh
+from loong_compile.parallel.tokens import mesh_token_indices
+from loong_compile.parallel.mesh import init_mesh
 from loong_compile.ops import attention_2d, seq_all_to_all
 from loong_compile.testing import run_distributed
 

@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from helpers import Sections, section_results
-from loong_compile.data import gather_sequence, mesh_token_indices, sequence_divisor, shard_batch
+from loong_compile.parallel.tokens import gather_sequence, mesh_token_indices, sequence_divisor, shard_batch
 from loong_compile.errors import LoongError
-from loong_compile.mesh import init_mesh
+from loong_compile.parallel.mesh import init_mesh
 from loong_compile.ops import attention_2d, comm_counters, reset_comm_counters
 from loong_compile.testing import run_distributed
 

@@ -103,7 +103,7 @@ def _on_ranks(rank, world, names):
     import torch.distributed as dist
 
     import loong_compile as lc
-    from loong_compile.data import mesh_token_indices
+    from loong_compile.parallel.tokens import mesh_token_indices
 
     sys.path.insert(0, str(STAND_INS))  # the flash-attn 2.8 stand-in, for this rank only
     mesh = lc.init_mesh(cp=world)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loong_compile.mesh import init_mesh
+from loong_compile.parallel.mesh import init_mesh
 from loong_compile.ops import attention_2d, merge_partial
 from loong_compile.ops.kernels import (
     _math_backward,

@@ -1,4 +1,4 @@
-"""passes/attention_2d.py on Dynamo graphs of small attention functions (no process group needed)."""
+"""passes/attention/attention_2d.py on Dynamo graphs of small attention functions (no process group needed)."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from loong_compile import LoongConfig, LoongUnsupportedError
 from loong_compile.ops import attention_2d
-from loong_compile.passes.attention_2d import Attention2DPass
+from loong_compile.passes.attention.attention_2d import Attention2DPass
 from loong_compile.passes.base import PassContext
 from conftest import FakeMesh, dynamo_graph
 from helpers import hf_masked_attention
@@ -208,7 +208,7 @@ class Windowed(torch.nn.Module):
 def test_a_window_the_local_length_cannot_show_comes_from_the_module(window, applied,
                                                                      monkeypatch):
     from loong_compile.errors import LoongTokenMixingError
-    from loong_compile.passes import model_facts
+    from loong_compile.passes.attention import model_facts
 
     module = Windowed(window)
     gm = dynamo_graph(module, *qkv(kv_heads=H))  # S=8 per rank, 32 over hp*cp=4 ranks
@@ -244,7 +244,7 @@ class WindowedMask(torch.nn.Module):
 def test_sliding_window_masks_take_the_window_of_the_mask_or_the_module(
         window, declared, applied, monkeypatch):
     from loong_compile.errors import LoongTokenMixingError
-    from loong_compile.passes import model_facts
+    from loong_compile.passes.attention import model_facts
 
     module = WindowedMask(window)
     gm = dynamo_graph(module, *qkv(kv_heads=H), POSITIONS)

@@ -248,7 +248,7 @@ def test_explain_splits_model_kwargs_from_options():
 def test_explain_reports_the_backward_too(monkeypatch):
     from loong_compile import backend as backend_module
 
-    monkeypatch.setattr(backend_module, "default_passes", small_passes)
+    monkeypatch.setattr(backend_module, "library_passes", small_passes)
     report = lc.explain(Tiny(), torch.randn(3, 8))
     kinds = [r.graph_kind for r in report.graphs[0].passes if r.name == "count_post_grad"]
     assert kinds == ["forward", "backward"]

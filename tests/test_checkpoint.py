@@ -8,7 +8,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from loong_compile.passes.fx_util import attention_ops, is_attention, tangent_dependent
-from loong_compile.passes.layers import find_layers
+from loong_compile.passes.activations.layers import find_layers
 from helpers import Probe, mixing_model, run_step
 
 MUST_SAVE, PREFER_RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE

@@ -1,4 +1,4 @@
-"""passes/comm_overlap.py on a small post-grad-like graph (no process group needed: the pass
+"""passes/schedule/comm_overlap.py on a small post-grad-like graph (no process group needed: the pass
 only moves nodes): each exchange starts where its tensor is ready, waits come in start order."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import types
 import torch
 import torch.fx
 
-from loong_compile.passes.comm_overlap import CommOverlapPass
+from loong_compile.passes.schedule.comm_overlap import CommOverlapPass
 
 aten = torch.ops.aten
 START = torch.ops._c10d_functional.all_to_all_single.default
@@ -75,7 +75,7 @@ def test_the_exchange_whose_arrival_copies_starts_first():
 def test_order_schedule_keeps_the_collectives_order_and_holds_each_chain_after_the_start_before():
     """Inductor's nodes: x; then (as fusion left them) k's and q's RoPE together ahead of the
     starts, which Inductor chains in the FX order q, k, v."""
-    from loong_compile.passes.exchange_order import order_schedule
+    from loong_compile.passes.schedule.exchange_order import order_schedule
 
     items = [("x", "kernel", "", ()),
              ("rope_k", "kernel", "", (0,)), ("rope_q", "kernel", "", (0,)),
@@ -93,7 +93,7 @@ def test_order_schedule_keeps_the_collectives_order_and_holds_each_chain_after_t
 
 def test_a_layers_prefetches_are_issued_together_and_its_waits_held_after_them():
     """Inductor's order with one of layer 2's reloads after the first wait of another."""
-    from loong_compile.passes.offload import hold_prefetches
+    from loong_compile.passes.schedule.prefetch_order import hold_prefetches
 
     items = [("anchor", "kernel", "", ()),
              ("reload_a", "kernel", "loong.reload", (0,)),

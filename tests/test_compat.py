@@ -1,15 +1,18 @@
-"""The torch capabilities of loong_compile/_compat.py: present exactly where documented,
+"""The torch capabilities of loong_compile/_compat/: present exactly where documented,
 the memory-plan hook installed wherever they say it should be, degradations reported."""
 
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import loong_compile as lc
+import loong_compile.passes
 from loong_compile import _compat
-from loong_compile._inductor_pool_planner import install_pool_planning
+from loong_compile._compat.pool_planner import install_pool_planning, pool_planning_patches
 from loong_compile.errors import LoongUnsupportedError
 
 pytestmark = pytest.mark.compat
@@ -39,7 +42,7 @@ def test_memory_plan_hook_installs_wherever_the_capability_says():
     x = torch.randn(8, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        patches = _compat.pool_planning_patches(planner, "test-hook-installs")
+        patches = pool_planning_patches(planner, "test-hook-installs")
     compiled = torch.compile(model, backend="inductor",
                              options={**patches, "fx_graph_cache": False})
     compiled(x).sum().backward()
@@ -78,8 +81,12 @@ def test_compile_report_lists_the_degraded_capabilities(monkeypatch):
     assert {"name": missing.name, "stage": "torch", "reason": missing.without} in graphs[0].skipped
 
 
-def test_names_other_modules_import_from_compat_are_still_there():
-    for name in ("PoolBuffer", "PoolRequest", "pool_planning_patches", "PoolPlanningHook",
-                 "generated_code", "measure_peak_bytes", "LoongPartitioner", "LoongPostGrad",
-                 "resolve_process_group", "compile_fx", "aot_autograd"):
-        assert hasattr(_compat, name), name
+def test_private_torch_modules_are_imported_only_inside_compat():
+    """The rule of the house: a private torch module (``torch._inductor``, ``torch._dynamo``,
+    ...) is imported by the shims of ``loong_compile/_compat/`` only."""
+    root = Path(lc.__file__).parent
+    sources = [p for p in root.rglob("*.py") if "_compat" not in p.parts]
+    sources += list(Path(lc.passes.__file__).parent.rglob("*.py"))
+    private = re.compile(r"^\s*(from|import) torch\._\w+", re.M)
+    offenders = [str(p) for p in sources if private.search(p.read_text())]
+    assert not offenders

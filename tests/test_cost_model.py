@@ -9,8 +9,8 @@ from loong_compile.errors import LoongConfigError
 from loong_compile.estimate.cost import attention_cost, attention_rate, elementwise_elements, layer_cost
 from loong_compile.estimate.hardware import load_hardware
 from loong_compile.estimate.memory import ParallelConfig
-from loong_compile.estimate.models import load_model
-from loong_compile.layout import PLACEMENTS, divisors, rank_of
+from loong_compile.estimate.presets import load_model
+from loong_compile.parallel.rules import PLACEMENTS, divisors, rank_of
 
 A100 = load_hardware("a100")
 MHA, GQA = load_model("7b-mha"), load_model("7b-gqa")

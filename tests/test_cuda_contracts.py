@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loong_compile._compat import sdpa_flash_cpu, sdpa_flash_cpu_backward
-from loong_compile.data import mesh_token_indices, sequence_divisor
+from loong_compile._compat.kernels import sdpa_flash_cpu, sdpa_flash_cpu_backward
+from loong_compile.parallel.tokens import mesh_token_indices, sequence_divisor
 from loong_compile.errors import LoongShapeError
-from loong_compile.mesh import init_mesh
+from loong_compile.parallel.mesh import init_mesh
 from loong_compile.ops import attention_2d, kernels
 from loong_compile.testing import run_distributed
 

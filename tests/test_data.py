@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loong_compile.data import (
+from loong_compile.parallel.tokens import (
     IGNORE_INDEX,
     check_sequence_length,
     gather_sequence,
@@ -17,7 +17,7 @@ from loong_compile.data import (
     shard_batch,
 )
 from loong_compile.errors import LoongShapeError
-from loong_compile.mesh import LoongMesh, init_mesh, rank_layout
+from loong_compile.parallel.mesh import LoongMesh, init_mesh, rank_layout
 
 sizes = st.sampled_from([1, 2, 3, 4, 8])
 

@@ -10,7 +10,8 @@ from loong_compile.errors import LoongConfigError
 from loong_compile.estimate import equations as mem
 from loong_compile.estimate.equations import model_state_terms
 from loong_compile.estimate.memory import GIB, MemoryOptions, ParallelConfig, estimate_memory, layer_activations
-from loong_compile.estimate.models import ModelSpec, load_model
+from loong_compile.estimate.models import ModelSpec
+from loong_compile.estimate.presets import load_model
 
 LLAMA31_8B = load_model("llama3.1-8b")
 

@@ -1,4 +1,4 @@
-"""passes/flash_match.py on real Dynamo graphs of the flash-attn 2.8 stand-in's flash_attn_func."""
+"""passes/attention/flash_match.py on real Dynamo graphs of the flash-attn 2.8 stand-in's flash_attn_func."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loong_compile.passes.flash_match import match_flash_attn
+from loong_compile.passes.attention.flash_match import match_flash_attn
 
 
 class GraphCaptured(Exception):

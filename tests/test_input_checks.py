@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 import loong_compile as lc
 from conftest import error_of, still_in_step
-from loong_compile._compat import resolve_process_group
-from loong_compile.data import local_token_indices, mesh_token_indices
-from loong_compile.input_checks import Verdict, classify, describe, refused
+from loong_compile._compat.distributed import resolve_process_group
+from loong_compile.parallel.tokens import local_token_indices, mesh_token_indices
+from loong_compile.checks.inputs import Verdict, classify, describe, refused
 from loong_compile.testing import run_distributed
 
 RANK_CHECK_TIMEOUT = 3      # seconds: the ranks that disagree wait this long

@@ -1,17 +1,17 @@
-"""The layout rules (loong_compile/layout.py) and the agreement they buy: the backend and the
+"""The layout rules (loong_compile/parallel/rules.py) and the agreement they buy: the backend and the
 estimator/planner accept and refuse the same (seq, dp, cp, hp, inner ring, placement, heads)."""
 
 import pytest
 import torch
 
 from loong_compile.config import LoongConfig
-from loong_compile.data import local_token_indices
+from loong_compile.parallel.tokens import local_token_indices
 from loong_compile.errors import LoongError
 from loong_compile.estimate.hardware import load_hardware
 from loong_compile.estimate.memory import ParallelConfig
 from loong_compile.estimate.models import ModelSpec
 from loong_compile.estimate.search import plan
-from loong_compile.layout import ring_position, sequence_divisor
+from loong_compile.parallel.rules import ring_position, sequence_divisor
 from loong_compile.ops.attention import check_attention_inputs
 
 # (seq, dp, cp, hp, inner_ring, placement, heads, kv_heads), accepted?

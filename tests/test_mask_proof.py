@@ -1,4 +1,4 @@
-"""passes/mask_proof.py: transformers' own masks are proven to be documents / padding / windows;
+"""passes/attention/mask_proof.py: transformers' own masks are proven to be documents / padding / windows;
 masks that are something else are refused with what they did (no process group needed)."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from conftest import dynamo_graph
 from helpers import hf_masked_attention as hf_masked
-from loong_compile.passes.mask_proof import (
+from loong_compile.passes.attention.mask_proof import (
     PADDING, POSITIONS, MaskMeaning, MaskNotProven, Probe, Prover, candidate_mask, probe_inputs)
 from loong_compile.passes.subgraphs import graph_scopes
 

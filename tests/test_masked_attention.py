@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import allowed_pairs, masked_reference, masked_relative_error
-from loong_compile.data import local_token_indices, packed_positions
+from loong_compile.parallel.tokens import local_token_indices, packed_positions
 from loong_compile.errors import LoongShapeError
 from loong_compile.ops import attention_2d, sequence_document_ids
 from loong_compile.ops.kernels import _math_backward, _math_forward, attention_backward, \

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from helpers import Sections, masked_reference, masked_relative_error, section_results
-from loong_compile.data import mesh_token_indices, shard_batch
-from loong_compile.mesh import init_mesh
+from loong_compile.parallel.tokens import mesh_token_indices, shard_batch
+from loong_compile.parallel.mesh import init_mesh
 from loong_compile.ops import (attention_2d, comm_counters, reset_comm_counters,
                                sequence_document_ids)
 from loong_compile.ops.mask_plan import mask_plan

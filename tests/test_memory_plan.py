@@ -12,7 +12,10 @@ from torch import nn
 from helpers import tiny_llama
 import loong_compile as lc
 from loong_compile import _compat
+from loong_compile._compat.inductor import generated_code
+from loong_compile._compat.inductor_pools import PoolBuffer, PoolRequest
 from loong_compile.passes import memory_plan as memory_plan_module
+from loong_compile.report.allocator import measure_peak_bytes
 from loong_compile.passes.fx_util import layer_of_paths, normalize_module_path
 from loong_compile.passes.memory_plan import MemoryPlanPass, inductor_config_patches, layer_of_origins
 from loong_compile.testing import run_distributed
@@ -47,14 +50,14 @@ def make_request(dynamic=None, n_layers=3):
     for k in range(n_layers):
         base = 1 + 6 * k
         origin = [(f"n{k}", [f"L['self'].layers[{k}]"])]
-        buffers += [_compat.PoolBuffer([f"buf{3 * k}"], 4096, base, base + 3, origin),
-                    _compat.PoolBuffer([f"buf{3 * k + 1}"], 1024, base + 1, base + 5, origin),
-                    _compat.PoolBuffer([f"buf{3 * k + 2}"], 2048, base + 3, base + 6, origin)]
+        buffers += [PoolBuffer([f"buf{3 * k}"], 4096, base, base + 3, origin),
+                    PoolBuffer([f"buf{3 * k + 1}"], 1024, base + 1, base + 5, origin),
+                    PoolBuffer([f"buf{3 * k + 2}"], 2048, base + 3, base + 6, origin)]
         outputs.append((8192, base + 5, 6 * n_layers + 2))
     steps = 6 * n_layers + 2
     background = [sum(size for size, start, end in outputs if start <= t < end)
                   for t in range(steps)]
-    return _compat.PoolRequest("0_backward", "backward", "cpu", buffers, steps, [background],
+    return PoolRequest("0_backward", "backward", "cpu", buffers, steps, [background],
                                [False] * steps, outputs, inductor_pools=[(8192, 0, steps)],
                                dynamic=dynamic)
 
@@ -148,16 +151,16 @@ def train_steps(kind: str, options: dict, ids: torch.Tensor, pos: torch.Tensor, 
             return logits_of(compiled, ids, pos)
 
         if step == 0:
-            logits, out["code"] = _compat.generated_code(forward)
+            logits, out["code"] = generated_code(forward)
         else:
-            logits, out["forward_peak"] = _compat.measure_peak_bytes(forward)
+            logits, out["forward_peak"] = measure_peak_bytes(forward)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         del logits
         if step == 0:
-            _, code = _compat.generated_code(loss.backward)
+            _, code = generated_code(loss.backward)
             out["code"] += code
         else:
-            _, out["backward_peak"] = _compat.measure_peak_bytes(loss.backward)
+            _, out["backward_peak"] = measure_peak_bytes(loss.backward)
         out["losses"].append(loss.detach())
         out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
         with torch.no_grad():
@@ -217,7 +220,7 @@ def test_dynamic_sequence_length_falls_back_and_says_so(one_thread):
                                                            on_report=reports.append))
     x = torch.randn(24, 16)
     torch._dynamo.mark_dynamic(x, 0)
-    (out,), code = _compat.generated_code(lambda: (compiled(x),))
+    (out,), code = generated_code(lambda: (compiled(x),))
     out.sum().backward()
     expected = model(x)
     torch.testing.assert_close(out, expected)
@@ -274,7 +277,7 @@ def test_plain_inductor_through_the_config_patches(one_thread):
 MULTI_RANK_KINDS = ("llama", "hf") if _compat.has("dynamo_traces_is_exporting") else ("llama",)
 
 def distributed_worker(rank: int, world: int) -> dict:
-    from loong_compile.data import shard_batch
+    from loong_compile.parallel.tokens import shard_batch
 
     mesh = lc.init_mesh(hp=2, cp=2)
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loong_compile._compat import resolve_process_group
-from loong_compile.data import gather_sequence, mesh_token_indices, shard_batch
+from loong_compile._compat.distributed import resolve_process_group
+from loong_compile.parallel.tokens import gather_sequence, mesh_token_indices, shard_batch
 from loong_compile.errors import LoongMeshError
-from loong_compile.mesh import init_mesh, rank_layout, ring_rank_lists
+from loong_compile.parallel.mesh import init_mesh, rank_layout, ring_rank_lists
 from loong_compile.testing import run_distributed
 
 
@@ -61,12 +61,12 @@ CONFIGS = [(2, 2, "head_first", 1), (2, 2, "context_first", 2), (1, 4, "head_fir
 
 def _mesh_facts(rank, world):
     """Per config: coordinates, the ranks of this rank's groups, cache hits, a logged plan."""
-    logging.getLogger("loong_compile.mesh").setLevel(logging.DEBUG)
+    logging.getLogger("loong_compile.parallel.mesh").setLevel(logging.DEBUG)
     records = []
     logged = []
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("loong_compile.mesh").addHandler(handler)
+    logging.getLogger("loong_compile.parallel.mesh").addHandler(handler)
     for hp, cp, placement, w in CONFIGS:
         mesh = init_mesh(hp=hp, cp=cp, placement=placement, inner_ring=w)
         groups = {kind: dist.get_process_group_ranks(resolve_process_group(name))

@@ -9,7 +9,7 @@ import torch
 
 from loong_compile.errors import LoongConfigError
 from loong_compile.estimate.hf_config import spec_from_config
-from loong_compile.estimate.models import load_model
+from loong_compile.estimate.presets import load_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""Overlap in Inductor's generated code: the reader of the wrapper code (``loong_compile.overlap``)
+"""Overlap in Inductor's generated code: the reader of the wrapper code (``loong_compile.report.overlap``)
 on a hand-written wrapper, then the example Llama under ``memo`` compiled by Inductor."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from helpers import BUDGET, assert_same_loss_and_grads, tiny_llama, token_ids
 from loong_compile import LoongBackend
-from loong_compile._compat import generated_code
-from loong_compile.overlap import call_body, overlap_of, summary
+from loong_compile._compat.inductor import generated_code
+from loong_compile.report.overlap import call_body, overlap_of, summary
 
 WRAPPER = '''
 class Runner:
@@ -69,7 +69,7 @@ class Runner:
 
 def test_a_prefetch_that_starts_after_its_layer_began_is_late():
     """Layer 2's backward begins at its first reload's wait; its second reload starts after."""
-    from loong_compile.overlap import late_prefetches
+    from loong_compile.report.overlap import late_prefetches
 
     spans = overlap_of(BACKWARD)
     assert [(s.layer, s.kernels_between) for s in spans] == [(3, 1), (2, 2), (2, 1)]
@@ -110,7 +110,8 @@ def _memo_step(options):
 
     loss, codes = generated_code(step)
     records = {r.graph_kind: r.summary for r in reports[-1].passes if r.name == "overlap"}
-    records["schedule_order"] = [r.summary for r in reports[-1].passes if r.name == "schedule_order"]
+    records["prefetch_order"] = [r.summary for r in reports[-1].passes
+                                 if r.name == "prefetch_order" and r.summary["prefetch_layers"]]
     return loss, {n: p.grad for n, p in model.named_parameters()}, codes, records
 
 
@@ -133,8 +134,8 @@ def test_every_offload_and_reload_overlaps_compute_in_the_generated_code(memo_on
     assert records["forward"]["kinds"] == summary(forward)
     assert records["backward"]["kinds"] == summary(backward)
     # and it says how it held each layer's prefetch before that layer's backward
-    [held] = records["schedule_order"]
-    assert held["prefetches"]["prefetch_layers"] == 4 and held["prefetches"]["waits_held"] > 0
+    [held] = records["prefetch_order"]      # the schedule stage's pass, on the backward graph
+    assert held["prefetch_layers"] == 4 and held["waits_held"] > 0
 
 
 def test_memo_compiled_by_inductor_computes_what_eager_computes(memo_one_rank):

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from helpers import BUDGET, Probe, Sections, assert_same_loss_and_grads, section_results, sharded_step
 from helpers import tiny_llama, token_ids
-from loong_compile.mesh import init_mesh
-from loong_compile.overlap import late_prefetches, overlap_of
+from loong_compile.parallel.mesh import init_mesh
+from loong_compile.report.overlap import late_prefetches, overlap_of
 from loong_compile.passes import library_passes
 from loong_compile.passes.fx_util import is_collective
 from loong_compile.testing import run_distributed
@@ -128,7 +128,7 @@ def test_every_wait_of_a_compiled_step_is_recorded_with_its_layer(two_ranks):
 def test_hf_llamas_prefetches_start_before_their_layer_and_overlap_compute(two_ranks):
     """A user's model and habits (transformers' Llama, labels passed to it) at hp = 2 under memo:
     in the generated backward every reload has compute before its wait and starts before its
-    layer's backward begins (passes/offload.py::hold_prefetches holds them there)."""
+    layer's backward begins (passes/activations/offload.py::hold_prefetches holds them there)."""
     for _, reloads in section_results(two_ranks, "hf"):
         assert reloads["starts"] > 3 * LAYERS and reloads["unwaited"] == 0
         assert reloads["exposed"] == 0 and reloads["late_prefetches"] == 0, reloads
@@ -137,7 +137,7 @@ def test_hf_llamas_prefetches_start_before_their_layer_and_overlap_compute(two_r
 def _generated_overlap(hp, cp, dump_dir):
     """Per generated graph (forward, backward): every async span as (kind, kernels between
     start and wait, waited), and the reloads that start after their layer's backward began."""
-    from loong_compile._compat import generated_code
+    from loong_compile._compat.inductor import generated_code
 
     (loss, grads, _), codes = generated_code(_step, hp, cp, {"alpha": 0.5, "dump_dir": dump_dir},
                                              example=True)
@@ -179,7 +179,7 @@ def test_offloads_and_reloads_overlap_compute_in_the_generated_code_on_4_ranks(f
 def test_q_k_v_all_to_alls_overlap_compute_in_the_generated_code_on_4_ranks(four_ranks, mesh):
     """Per layer, in start order: the exchanges of q, k and v, then out's (o_proj needs it at
     once: nothing is left to overlap).  At 2x2 q's arrival is an unpacking copy and starts
-    first (passes/exchange_order.py), so every q/k/v exchange has a kernel before its wait.
+    first (passes/schedule/exchange_order.py), so every q/k/v exchange has a kernel before its wait.
     At 4x1 (one head per rank) all three arrive as views: the last to start has nothing left
     to run before the ring, the other two have."""
     for (forward, _), _ in section_results(four_ranks, mesh):

@@ -208,7 +208,7 @@ def test_degenerate_and_bad_input():
 
 
 def test_draw_a_pool_layout(tmp_path):
-    from loong_compile.inspect import draw_plan  # re-exported for users
+    from loong_compile.report import draw_plan  # re-exported for users
 
     buffers = [Buffer(640, 0, 2), Buffer(64, 2, 4), Buffer(64, 3, 6), Buffer(128, 6, 8),
                Buffer(64, 1, 7)]

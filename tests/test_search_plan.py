@@ -8,7 +8,7 @@ from loong_compile.config import LoongConfig
 from loong_compile.errors import LoongConfigError
 from loong_compile.estimate.hardware import load_hardware
 from loong_compile.estimate.memory import MemoryOptions, ParallelConfig, estimate_memory
-from loong_compile.estimate.models import load_model
+from loong_compile.estimate.presets import load_model
 from loong_compile.estimate.search import plan
 
 H100 = load_hardware("h100")

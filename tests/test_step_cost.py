@@ -13,7 +13,7 @@ from loong_compile.estimate import validation
 from loong_compile.estimate.cost import layer_cost
 from loong_compile.estimate.hardware import load_hardware
 from loong_compile.estimate.memory import ParallelConfig
-from loong_compile.estimate.models import load_model
+from loong_compile.estimate.presets import load_model
 from loong_compile.estimate.rationale import explain_rank, step_parts
 from loong_compile.estimate.search import plan
 from loong_compile.estimate.step import collective_seconds, model_flops_per_sequence, step_cost

@@ -1,4 +1,4 @@
-"""passes/token_locality.py on Dynamo graphs: what mixes tokens is refused, per-token work passes.
+"""passes/safety/token_locality.py on Dynamo graphs: what mixes tokens is refused, per-token work passes.
 
 The graphs stand for one rank's share (T = 12 tokens) of a sequence split over cp = 2 ranks.
 """
@@ -11,7 +11,7 @@ from conftest import dynamo_graph
 from loong_compile import LoongConfig
 from loong_compile.errors import LoongTokenMixingError
 from loong_compile.passes.base import PassContext
-from loong_compile.passes.token_locality import TokenLocalityPass
+from loong_compile.passes.safety.token_locality import TokenLocalityPass
 
 B, T, D = 2, 12, 32
 

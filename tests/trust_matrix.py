@@ -157,7 +157,7 @@ def _distributed_step(case: Case, hp: int, cp: int):
     import torch.distributed as dist
 
     import loong_compile as lc
-    from loong_compile.data import mesh_token_indices
+    from loong_compile.parallel.tokens import mesh_token_indices
 
     mesh = lc.init_mesh(hp=hp, cp=cp)
     model = _model_for(case)

@@ -9,7 +9,8 @@ from loong_compile.estimate.memory import (
     LayerActivations, MemoryBreakdown, MemoryOptions, ParallelConfig, SavedTensor, Term, category_bytes,
     estimate_memory, layer_activations, memory_terms,
 )
-from loong_compile.estimate.models import PRESETS, ModelSpec, load_model
+from loong_compile.estimate.models import ModelSpec
+from loong_compile.estimate.presets import PRESETS, load_model
 from loong_compile.estimate.search import Candidate, Plan, Pruned, plan
 from loong_compile.estimate.step import StepCost, step_cost
 

@@ -10,23 +10,15 @@ MEMO (§4.1, eqs. 1-3), per transformer layer::
 ``n - 2``: the last two layers start their backward right after their forward and are not
 swapped; here that count is ``resident_layers`` (default 2).  The LP is solved with pyomo +
 HiGHS, the planner's solver stack.  ``B``, ``T_layer`` and ``M_CPU`` come from options or are
-measured here (``measure_*``); every rank then takes the minimum over ranks
-(``agree_min``) so all ranks build the same graph.  torch is imported only by those
-measurements, so the LP itself (and ``loong plan``) runs without it.
+measured at compile time (``passes/activations/measure.py``, which also makes ranks agree on
+them).  No torch here: the LP runs in ``loong plan`` too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-import os
 import time
-from collections.abc import Sequence
 
-# Share of the available host memory the offloaded activations may take: the rest is
-# for the optimizer, data loading and everything else the host runs.
-HOST_MEMORY_MARGIN = 0.8
 _TOL = 1e-9
 
 
@@ -130,77 +122,3 @@ def solve_alpha(inputs: AlphaInputs, time_limit: float = 10.0) -> AlphaDecision:
     binding = tight if slack[tight] <= 1e-6 or alpha < 1 - _TOL else "alpha <= 1"
     return AlphaDecision(alpha, True, binding, copy_seconds, host,
                          f"alpha={alpha:.4g} from MEMO's LP; limited by {binding}", seconds)
-
-
-# -- measurements ----------------------------------------------------------------------
-
-@functools.cache
-def measure_host_bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float:
-    """Device -> host copy bandwidth (bytes/s), best of a few copies (pinned host on CUDA)."""
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    best = math.inf
-    for _ in range(4):
-        _sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
-
-
-@functools.cache
-def measure_matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a square matmul in ``dtype`` on ``device`` (the rate a layer's GEMMs reach)."""
-    import torch
-
-    n = 2048 if device.type == "cuda" else 512
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    best = math.inf
-    for _ in range(4):
-        _sync(device)
-        t0 = time.perf_counter()
-        a @ a
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
-def available_host_memory(local_ranks: int | None = None) -> float:
-    """This rank's share of the host memory available now, with a margin."""
-    available = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if available is None:
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return available * HOST_MEMORY_MARGIN / max(ranks, 1)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
-
-
-def agree_min(values: Sequence[float]) -> list[float]:
-    """The element-wise minimum over all ranks (identity in a single process), so that
-    every rank solves the same LP and builds the same graph."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [float(v) for v in values]
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend() == "nccl" else torch.device("cpu"))
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return t.tolist()

@@ -32,7 +32,7 @@ from loong_compile.errors import LoongConfigError
 from loong_compile.estimate.hardware import HardwareProfile
 from loong_compile.estimate.memory import ParallelConfig, attention_transfer_bytes
 from loong_compile.estimate.models import ModelSpec
-from loong_compile.layout import PLACEMENTS, rank_of, ring_position
+from loong_compile.parallel.rules import PLACEMENTS, rank_of, ring_position
 
 FLOPS_PER_PAIR_DIM = 4.0         # QK^T and PV: 2 matmuls x 2 FLOPs per MAC per (query, key, dim)
 BACKWARD_FACTOR = 3.0            # LoongTrain 4.5.2

@@ -17,7 +17,7 @@ import dataclasses
 
 import sympy as sp
 
-from loong_compile.layout import ESTIMATED_POLICIES
+from loong_compile.parallel.rules import ESTIMATED_POLICIES
 
 POLICIES = ESTIMATED_POLICIES
 CATEGORIES = ("input", "attention", "other")   # MEMO's classes, as the passes name them

@@ -21,7 +21,7 @@ from loong_compile.estimate.equations import (
     all_terms, alpha, counted_tensors, n_ring_buffers, stored_tensors,
 )
 from loong_compile.estimate.models import ModelSpec
-from loong_compile.layout import Violation, head_violation, inner_ring_violation, sequence_violation
+from loong_compile.parallel.rules import Violation, head_violation, inner_ring_violation, sequence_violation
 
 GIB = 2 ** 30
 
@@ -80,7 +80,7 @@ class ParallelConfig:
             raise LoongConfigError(*violation)
 
     def layout_violation(self, model: ModelSpec) -> Violation | None:
-        """The backend's layout rules (``loong_compile.layout``) on this configuration: what
+        """The backend's layout rules (``loong_compile.parallel.rules``) on this configuration: what
         ``torch.compile(backend="loong")`` would refuse.  Under tensor parallelism they apply
         to one TP rank's heads (KV heads fewer than tp are replicated, one per TP rank)."""
         local_kv = model.kv_heads // self.tp if model.kv_heads % self.tp == 0 else 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 from loong_compile.errors import LoongConfigError
 from loong_compile.estimate.memory import MemoryBreakdown
 from loong_compile.estimate.search import Plan
-from loong_compile.layout import PLACEMENTS
+from loong_compile.parallel.rules import PLACEMENTS
 
 
 def _pyplot():

@@ -9,7 +9,7 @@ policies (MEMO on a grid of ``alpha`` values) and ZeRO stages 0-3 over ``dp * cp
 ``MemoryBreakdown.verdict``) and host memory (memo).  What fits is ranked by predicted
 throughput (``step_cost``); what does not is kept with the reason.  Which grids the backend
 refuses (sequence, heads, sliding windows shorter than the sequence under ``hp·cp > 1``)
-comes from ``loong_compile/layout.py``, the rules the backend applies.
+comes from ``loong_compile/parallel/rules.py``, the rules the backend applies.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from loong_compile.estimate.memory import (
 )
 from loong_compile.estimate.models import ModelSpec
 from loong_compile.estimate.step import StepCost, step_cost
-from loong_compile.layout import (
+from loong_compile.parallel.rules import (
     ACTIVATION_POLICIES, PLACEMENTS, divisors, head_violation, sequence_violation,
 )
 
@@ -136,7 +136,7 @@ def _grids(model: ModelSpec, seq: int, gpus: int, placements, pruned: list[Prune
         for cp in divisors(gpus // hp):
             dp = gpus // (hp * cp)
             grid = {"dp": dp, "cp": cp, "hp": hp}
-            # the backend's rules (loong_compile.layout), as torch.compile(backend="loong") applies them
+            # the backend's rules (loong_compile.parallel.rules), as torch.compile(backend="loong") applies them
             refused = [(kind, violation) for kind, violation in (
                 ("sequence", sequence_violation(seq, cp, hp)),
                 ("heads", head_violation(model.heads, model.kv_heads, hp))) if violation]

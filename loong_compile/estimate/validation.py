@@ -13,10 +13,11 @@ import sys
 from loong_compile.estimate.cost import layer_cost
 from loong_compile.estimate.hardware import load_hardware
 from loong_compile.estimate.memory import ParallelConfig
-from loong_compile.estimate.models import ModelSpec, load_model
+from loong_compile.estimate.models import ModelSpec
+from loong_compile.estimate.presets import load_model
 from loong_compile.estimate.search import Plan, plan
 from loong_compile.estimate.step import step_cost
-from loong_compile.layout import PLACEMENTS, divisors
+from loong_compile.parallel.rules import PLACEMENTS, divisors
 
 # LoongTrain Table 3: MFU on 64 A100s, d_sp = 64, one sequence per step.  Columns per sequence
 # length (128K, 256K, 512K, 1M): with SC++ (HF, CF), without SC++ (HF, CF); rows (d_cp, d_hp).

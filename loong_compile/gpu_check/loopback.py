@@ -14,8 +14,8 @@ from unittest import mock
 import torch
 from torch import Tensor
 
-from loong_compile.data import local_token_indices
-from loong_compile.layout import ring_position
+from loong_compile.parallel.tokens import local_token_indices
+from loong_compile.parallel.rules import ring_position
 from loong_compile.ops import ring
 
 _current = threading.local()   # .rank and .fabric of the thread's simulated CP rank

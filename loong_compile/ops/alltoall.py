@@ -9,7 +9,7 @@ heads (dim 1) and gathering the sequence (dim 2) turns ``(B, H, S/sp, D)`` into
 
 Each tensor gets its own ``all_to_all_single`` start and its own wait (issue 14): in a
 compiled graph Inductor then starts q's exchange while k and v are still being
-projected and waits only where the ring needs the result (``_compat.comm_overlap_patches``).
+projected and waits only where the ring needs the result (``_compat.inductor.comm_overlap_patches``).
 Packing is one strided view (``unflatten`` + ``movedim``) and unpacking its mirror, so
 Inductor fuses the copies into the kernels beside them; an eager call pays one copy each
 way.  The exchange is a permutation of pieces among ranks, so its gradient is the same
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from loong_compile import _compat
+from loong_compile._compat.distributed import all_to_all_start, collective_wait
 from loong_compile.ops.comm import count_all_to_all
 
 
@@ -32,14 +32,14 @@ class _Exchange(torch.autograd.Function):
     def forward(ctx, packed: Tensor, group_size: int, group_name: str) -> Tensor:
         ctx.group_size, ctx.group_name = group_size, group_name
         count_all_to_all(packed, group_size)
-        return _compat.all_to_all_start(packed, group_name, group_size)
+        return all_to_all_start(packed, group_name, group_size)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad = grad.contiguous()
         count_all_to_all(grad, ctx.group_size)
-        back = _compat.all_to_all_start(grad, ctx.group_name, ctx.group_size)
-        return _compat.collective_wait(back), None, None
+        back = all_to_all_start(grad, ctx.group_name, ctx.group_size)
+        return collective_wait(back), None, None
 
 
 class _Wait(torch.autograd.Function):
@@ -47,7 +47,7 @@ class _Wait(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, in_flight: Tensor) -> Tensor:
-        return _compat.collective_wait(in_flight)
+        return collective_wait(in_flight)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:

@@ -2,7 +2,7 @@
 
 ``attention_2d(q, k, v, is_causal=..., scale=..., **mesh.attention_kwargs())``
 has the semantics of ``F.scaled_dot_product_attention`` on the full sequence,
-given this rank's tokens in the layout of ``loong_compile.data``:
+given this rank's tokens in the layout of ``loong_compile.parallel.tokens``:
 
 1. KV replication (§4.2): if ``hp > H_kv``, each KV head is repeated
    ``hp / H_kv`` times (``repeat_interleave``, so its gradient is the sum of
@@ -23,9 +23,9 @@ import math
 import torch
 from torch import Tensor
 
-from loong_compile.data import check_sequence_length
+from loong_compile.parallel.tokens import check_sequence_length
 from loong_compile.errors import LoongMeshError, LoongShapeError
-from loong_compile.layout import head_violation, inner_ring_violation
+from loong_compile.parallel.rules import head_violation, inner_ring_violation
 from loong_compile.ops.alltoall import seq_all_to_all
 from loong_compile.ops.masked import masked_attention_fwd
 from loong_compile.ops.ring import ring_attention_fwd

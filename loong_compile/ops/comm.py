@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loong_compile._compat import is_tracing, resolve_process_group
+from loong_compile._compat.distributed import is_tracing, resolve_process_group
 
 _BYTES = {"all_to_all": 0, "p2p": 0}
 

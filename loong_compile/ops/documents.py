@@ -2,7 +2,7 @@
 
 ``sequence_document_ids`` gathers the ``(B, S/sp)`` position ids (and the
 key-padding mask) of the SP group with one small all-gather of integers, puts
-them in global token order with the layout of ``loong_compile.data`` and
+them in global token order with the layout of ``loong_compile.parallel.tokens`` and
 numbers the documents: a new one starts wherever ``position[t] !=
 position[t-1] + 1`` (transformers' ``find_packed_sequence_indices`` rule);
 padded tokens get ``-1``.  The result, identical on every rank, is what
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from loong_compile.data import local_token_indices
+from loong_compile.parallel.tokens import local_token_indices
 from loong_compile.errors import LoongShapeError
 from loong_compile.ops.comm import group
 

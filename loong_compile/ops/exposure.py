@@ -5,8 +5,8 @@ whose copy is still in flight, or a functional collective's ``wait_tensor`` (the
 ops/alltoall.py) whose exchange is.  Inside ``recording()``, each such wait records a timing
 event on the current CUDA stream before and after it blocks; ``per_layer`` turns the pairs
 into milliseconds per layer and kind.  An offload or reload wait knows its layer from
-``passes/offload.py``.  A collective's wait does not: Inductor's code calls torch's op, which
-``recording`` times through ``_compat.timed_collective_waits``, and the layer is counted: one
+``passes/activations/offload.py``.  A collective's wait does not: Inductor's code calls torch's op, which
+``recording`` times through ``_compat.distributed.timed_collective_waits``, and the layer is counted: one
 attention call per layer exchanges ``exchanges_per_layer`` tensors, in layer order in the
 forward and in reverse in the backward.  Off CUDA the events are host timestamps (a gloo
 exchange blocks the host thread, not a stream): that is how the tests exercise the record.
@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from loong_compile import _compat
+from loong_compile._compat.aot import in_backward
+from loong_compile._compat.distributed import timed_collective_waits
 
 _records: list[tuple[int, str, Any, Any]] | None = None   # (layer, kind, start event, end event)
 
@@ -50,7 +51,7 @@ def recording(layers: int | None = None, exchanges_per_layer: int = 4) -> Iterat
     counted = {False: 0, True: 0}        # collective waits seen, forward and backward
 
     def timed_wait(wait, tensor):
-        backward = _compat.in_backward()
+        backward = in_backward()
         index, counted[backward] = counted[backward], counted[backward] + 1
         layer = index // exchanges_per_layer
         if layers is None:
@@ -61,7 +62,7 @@ def recording(layers: int | None = None, exchanges_per_layer: int = 4) -> Iterat
             return wait(tensor)
 
     try:
-        with _compat.timed_collective_waits(timed_wait):
+        with timed_collective_waits(timed_wait):
             yield _records
     finally:
         _records = previous

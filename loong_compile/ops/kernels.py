@@ -40,12 +40,7 @@ import math
 import torch
 from torch import Tensor
 
-from loong_compile._compat import (
-    sdpa_flash_cpu,
-    sdpa_flash_cpu_backward,
-    sdpa_flash_cuda,
-    sdpa_flash_cuda_backward,
-)
+from loong_compile._compat.kernels import sdpa_flash_cpu, sdpa_flash_cpu_backward, sdpa_flash_cuda, sdpa_flash_cuda_backward
 
 FLASH_ATTN_MIN_VERSION = "2.7"
 

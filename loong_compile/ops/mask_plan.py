@@ -2,7 +2,7 @@
 
 Pure: no collectives, no process groups.  Every CP rank evaluates the same plan
 from the global document ids, the window and the token layout of
-``loong_compile.data``, so the ranks agree on who sends what to whom without
+``loong_compile.parallel.tokens``, so the ranks agree on who sends what to whom without
 talking; the benchmark and the tests evaluate it the same way.
 
 Query token ``i`` may see key ``j`` iff ``doc[i] == doc[j] >= 0``, ``j <= i``
@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from loong_compile.data import shard_chunks
+from loong_compile.parallel.tokens import shard_chunks
 
 TILES_PER_CHUNK = 4
 MIN_TILE = 8

@@ -29,8 +29,8 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from loong_compile._compat import cudagraph_unsafe_tags
-from loong_compile.data import local_token_indices
+from loong_compile._compat.kernels import cudagraph_unsafe_tags
+from loong_compile.parallel.tokens import local_token_indices
 from loong_compile.ops.comm import DirectExchange, group
 from loong_compile.ops.kernels import accumulation_dtype, attention_backward, attention_forward
 from loong_compile.ops.mask_plan import Block, MaskPlan, buffer_columns, mask_plan

@@ -1,5 +1,5 @@
 """Host offload ops: a saved activation goes to host memory in the forward and comes back
-for the backward (MEMO §4.1; emitted by ``passes/offload.py``).
+for the backward (MEMO §4.1; emitted by ``passes/activations/offload.py``).
 
 ``torch.ops.loong.offload(x) -> h``                  start copying ``x`` to host memory
 ``torch.ops.loong.reload(h, device, after) -> y``    start copying ``h`` back to ``device``
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch.fx import has_side_effect
 
-from loong_compile._compat import cudagraph_unsafe_tags
+from loong_compile._compat.kernels import cudagraph_unsafe_tags
 from loong_compile.ops.exposure import blocking
 
 # One side stream per CUDA device, and the event of every copy in flight, keyed by the

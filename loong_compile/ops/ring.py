@@ -1,7 +1,7 @@
 """Double-Ring attention over one CP group (LoongTrain §4.3, Algorithm 2), forward and backward.
 
 Inputs are in CP layout: ``(B, H', S/cp, D)``, the rows of this CP rank's
-zigzag shard (chunks ``r`` and ``2·cp-1-r``, see loong_compile/data.py).
+zigzag shard (chunks ``r`` and ``2·cp-1-r``, see loong_compile/parallel/tokens.py).
 
 The CP group of ``cp`` ranks is cut into ``n = cp / w`` inner rings of ``w``;
 CP rank ``r = i·w + j`` is position ``j`` of inner ring ``i``.  Forward, at
@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from loong_compile._compat import cudagraph_unsafe_tags
-from loong_compile.layout import ring_position
+from loong_compile._compat.kernels import cudagraph_unsafe_tags
+from loong_compile.parallel.rules import ring_position
 from loong_compile.ops.comm import Exchange, group
 from loong_compile.ops.kernels import accumulation_dtype, attention_backward, attention_forward
 

@@ -33,14 +33,14 @@ from typing import Any
 import torch
 import torch.fx
 
-from loong_compile.passes.activations import ActivationPlan, FollowsActivationPlan
+from loong_compile.passes.activations.classify import ActivationPlan, FollowsActivationPlan
 from loong_compile.passes.base import PassContext, SplitGraphs
 from loong_compile.passes.fx_util import (
     base_of, first_in_order, getitem_users, insert_call, is_collective, is_layout_op, is_random, nbytes,
     node_flops, set_meta,
 )
-from loong_compile.passes.saved_values import SavedValues
-from loong_compile.passes.token_rules import Step, TokenDim, analyse, is_tensor, shape_of
+from loong_compile.passes.activations.saved_values import SavedValues
+from loong_compile.passes.safety.token_rules import Step, TokenDim, analyse, is_tensor, shape_of
 
 aten = torch.ops.aten
 Node = torch.fx.Node

@@ -30,12 +30,15 @@ from typing import Any
 import torch
 import torch.fx
 
-from loong_compile import _compat
+from loong_compile._compat.aot import real_tensors
 from loong_compile.estimate import alpha as alpha_lp
-from loong_compile.passes.base import PassContext, SplitGraphs
+from loong_compile.passes.activations.measure import (
+    agree_min, available_host_memory, measure_host_bandwidth, measure_matmul_rate,
+)
+from loong_compile.passes.base import Pass, PassContext, SplitGraphs
 from loong_compile.passes.fx_util import base_of, getitem_users, nbytes, node_flops
-from loong_compile.passes.layers import Layers, find_layers
-from loong_compile.passes.saved_values import SavedValues
+from loong_compile.passes.activations.layers import Layers, find_layers
+from loong_compile.passes.activations.saved_values import SavedValues
 
 CATEGORIES = ("input", "attention", "other")
 
@@ -139,14 +142,14 @@ def decide_alpha(plan: ActivationPlan, config: Any) -> None:
             sizes[cat] = max(sizes[cat], row[cat]["bytes"])
     device, dtype = _device_and_dtype(plan)
     flops = max((layer_flops(plan, i) for i in range(n)), default=0)
-    with _compat.real_tensors():   # the partitioner runs under fake mode: measure for real
-        bandwidth = (alpha_lp.measure_host_bandwidth(device) if config.host_bandwidth == "auto"
+    with real_tensors():   # the partitioner runs under fake mode: measure for real
+        bandwidth = (measure_host_bandwidth(device) if config.host_bandwidth == "auto"
                      else float(config.host_bandwidth))
-        host_memory = (alpha_lp.available_host_memory() if config.host_memory == "auto"
+        host_memory = (available_host_memory() if config.host_memory == "auto"
                        else float(config.host_memory))
-        layer_time = (flops / alpha_lp.measure_matmul_rate(device, dtype) if config.layer_time == "auto"
+        layer_time = (flops / measure_matmul_rate(device, dtype) if config.layer_time == "auto"
                       else float(config.layer_time))
-        bandwidth, host_memory, layer_time = alpha_lp.agree_min([bandwidth, host_memory, layer_time])
+        bandwidth, host_memory, layer_time = agree_min([bandwidth, host_memory, layer_time])
     inputs = alpha_lp.AlphaInputs(sizes["input"], sizes["attention"], sizes["other"], n,
                                   config.resident_layers, bandwidth, max(layer_time, 1e-12), host_memory)
     if config.alpha == "auto":
@@ -169,11 +172,11 @@ def _device_and_dtype(plan: ActivationPlan) -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.float32
 
 
-class FollowsActivationPlan:
+class FollowsActivationPlan(Pass):
     """Base of the ``memo`` passes that act on the plan ``ActivationsPass`` left in ``ctx.state``."""
 
     stage = "split"
-    requires: tuple[str, ...] = (ACTIVATION_PLAN,)
+    requires = (ACTIVATION_PLAN,)
     NO_PLAN = {"matched": 0, "skipped": "no activation plan (the activations pass found no layer)"}
 
     def enabled(self, config: Any) -> bool:
@@ -185,15 +188,11 @@ class FollowsActivationPlan:
         return plan if plan is not None and plan.layers.names else None
 
 
-class ActivationsPass:
+class ActivationsPass(Pass):
     """Classify the saved values (all policies); under ``memo`` also choose alpha."""
 
     name, stage = "activations", "split"
-    requires: tuple[str, ...] = ()
     provides = (ACTIVATION_PLAN,)
-
-    def enabled(self, config: Any) -> bool:
-        return True
 
     def run(self, split: SplitGraphs, ctx: PassContext) -> dict[str, Any]:
         plan = classify(split)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from loong_compile import _compat
+from loong_compile._compat.distributed import default_store, store_wait
 from loong_compile.errors import LoongRankMismatchError
 
 _rounds: dict[tuple[str, str], itertools.count] = collections.defaultdict(itertools.count)
@@ -37,7 +37,7 @@ ANNOUNCED = ("options", "mesh")
 def _store_and_rank():
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None, 0
-    return _compat.default_store(), dist.get_rank()
+    return default_store(), dist.get_rank()
 
 
 def announce(topic: str, value: dict[str, Any]) -> None:
@@ -70,7 +70,7 @@ def check_agreement(topic: str, mine: dict[str, Any], timeout: float,
     prefix = f"loong_compile/{topic}/{members}/{round_}/"
     store.set(prefix + str(rank), _dumps(mine))
     try:
-        _compat.store_wait(store, [prefix + str(r) for r in ranks], timeout)
+        store_wait(store, [prefix + str(r) for r in ranks], timeout)
     except Exception:  # noqa: BLE001 - a store timeout: some rank never got here
         missing = [r for r in ranks if not store.check([prefix + str(r)])]
         raise LoongRankMismatchError(

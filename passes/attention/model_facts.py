@@ -4,7 +4,7 @@ Model code reads the length of the tokens it is given, and under hp*cp > 1 that 
 local share.  Some decisions never reach the graph: transformers skips a sliding-window mask
 when the (local) length fits the window and emits ``is_causal=True`` instead, and a
 ``dynamic`` / ``longrope`` RoPE picks its frequencies from the (local) length.  This module
-reads those settings from the module Dynamo is compiling (``_compat.dynamo_frame_self``) so
+reads those settings from the module Dynamo is compiling (``_compat.dynamo.dynamo_frame_self``) so
 the attention pass can compare them with the *global* length and refuse what differs.
 """
 
@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from loong_compile import _compat
+from loong_compile._compat.dynamo import dynamo_frame_self
 from loong_compile.passes.fx_util import module_path_parts
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def compiled_module() -> torch.nn.Module | None:
     """The module whose forward Dynamo is compiling, or None (a plain function)."""
-    return _compat.dynamo_frame_self()
+    return dynamo_frame_self()
 
 
 def module_of(root: torch.nn.Module | None, node: torch.fx.Node) -> torch.nn.Module | None:

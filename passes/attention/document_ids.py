@@ -1,6 +1,6 @@
 """The global document ids of a graph: one ``sequence_document_ids`` call for every masked call.
 
-A mask that ``passes/mask_proof.py`` proved to be documents and/or padding becomes the global
+A mask that ``passes/attention/mask_proof.py`` proved to be documents and/or padding becomes the global
 ``(B, S)`` document ids of ``loong_compile.ops.sequence_document_ids`` (one all-gather of the
 ranks' position ids and key padding per step).  The graph gets at most one such call per kind
 of ids, after its inputs, whatever the number of attention calls; calls inside
@@ -19,7 +19,7 @@ import torch
 import torch.fx
 
 from loong_compile.ops import sequence_document_ids
-from loong_compile.passes.mask_proof import PADDING, POSITIONS, MaskMeaning, MaskNotProven
+from loong_compile.passes.attention.mask_proof import PADDING, POSITIONS, MaskMeaning, MaskNotProven
 from loong_compile.passes.subgraphs import Scope, add_operand, parent_of
 
 

@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from loong_compile import _compat
-from loong_compile.data import layout_positions
+from loong_compile._compat.distributed import resolve_process_group
+from loong_compile._compat.dynamo import placeholder_sources
+from loong_compile.parallel.tokens import layout_positions
 from loong_compile.errors import LoongError, LoongShapeError
 
 _CACHED_LENGTHS = 16
@@ -72,7 +73,7 @@ def graph_input_index(gm: torch.fx.GraphModule, name: str) -> int | None:
     directly or among its ``**kwargs``: ``L['position_ids']``, ``L['kwargs']['position_ids']``),
     or None."""
     pattern = re.compile(rf"L\['{name}'\]|L\['\w+'\]\['{name}'\]")
-    for index, source in enumerate(_compat.placeholder_sources(gm)):
+    for index, source in enumerate(placeholder_sources(gm)):
         if source is not None and pattern.fullmatch(source):
             return index
     return None
@@ -124,7 +125,7 @@ class PositionCheck:
         found[1, self.place] = positions.dim() > 0 and torch.equal(
             positions, torch.arange(positions.shape[-1], device=positions.device)
             .expand_as(positions))
-        dist.all_reduce(found, group=_compat.resolve_process_group(self.mesh.group_names["sp"]))
+        dist.all_reduce(found, group=resolve_process_group(self.mesh.group_names["sp"]))
         verdicts = [Verdict(v) for v in found[0].tolist()]
         failing = {rank: v for rank, v, bad in zip(
             self.mesh.sp_ranks, verdicts, refused(verdicts, [bool(f) for f in found[1].tolist()]))

@@ -29,14 +29,14 @@ nothing could run between them anyway).  Dependencies, not a post-scheduling pas
 through every Inductor reordering (peak memory, comms) and in every lowering, and they
 cost nothing at run time (``after`` is never read).  A dependency says "not before", never
 "not after": Inductor's peak-memory order can still issue some of a layer's prefetches
-after the layer's backward has begun.  ``hold_prefetches`` closes that on Inductor's
-scheduler nodes (the backend's schedule hook): a layer's reloads (one ``after``) are issued
-together, and each of their waits is held after all of them.
+after the layer's backward has begun: the schedule stage's ``prefetch_order`` closes that on
+Inductor's scheduler nodes (a layer's reloads, one ``after``, issued together, each of their
+waits held after all of them).
 
 Nodes holding a swapped layer's skeletal tensors (forward) and their reloads (backward) carry
 ``meta["loong_rounding_buffer"] = layer % 2``: MEMO's two rounding buffers, for a memory plan
 to place.  Summary, per layer: bytes kept on device, offloaded to host, and recomputed (from
-``recompute``), with totals.
+``recompute``), with totals; the rows of ``recompute`` are read through its fact ``recomputed_layers``.
 """
 
 from __future__ import annotations
@@ -47,47 +47,16 @@ import torch
 import torch.fx
 
 from loong_compile.ops.offload import OFFLOAD, RELOAD, WAIT
-from loong_compile.passes.activations import CATEGORIES, ActivationPlan, FollowsActivationPlan
+from loong_compile.passes.activations.classify import CATEGORIES, ActivationPlan, FollowsActivationPlan
 from loong_compile.passes.fx_util import (base_of, first_in_order, insert_call, is_view, last_in_order, nbytes,
                                          node_flops)
-from loong_compile.passes.layers import layer_name
-from loong_compile.passes.recompute import RECOMPUTED_LAYERS
-from loong_compile.passes.saved_values import SavedValues
+from loong_compile.passes.activations.layers import layer_name
+from loong_compile.passes.activations.recompute import RECOMPUTED_LAYERS
+from loong_compile.passes.activations.saved_values import SavedValues
 from loong_compile.passes.base import PassContext, SplitGraphs
 
 Node = torch.fx.Node
 ROUNDING_BUFFER = "loong_rounding_buffer"   # meta key: 0 (even layers) or 1 (odd layers)
-
-
-def hold_prefetches(items: list[tuple[str, str, str, tuple[int, ...]]],
-                    order: list[int]) -> tuple[list[int], list[tuple[int, int]], dict[str, int]]:
-    """On Inductor's scheduler nodes (``_compat.comm_overlap_patches``' items, in ``order``):
-    the reloads that share their inputs (one layer's prefetch) moved up to the first of them,
-    and holds ``(wait, reload)``: each reload's wait runs after every reload of its layer.  A
-    node that reads a reload and nothing else is its output handle (Inductor's ``MultiOutput``
-    on some versions): a wait reading it waits for that reload."""
-    layers: dict[tuple[int, ...], list[int]] = {}
-    reload_of: dict[int, int] = {}
-    for i, (_, _, op, inputs) in enumerate(items):
-        if op == "loong.reload":
-            layers.setdefault(inputs, []).append(i)
-            reload_of[i] = i
-        elif op == "" and len(inputs) == 1 and inputs[0] in reload_of:
-            reload_of[i] = reload_of[inputs[0]]
-    position = {node: p for p, node in enumerate(order)}
-    holds, moved = [], 0
-    for reloads in layers.values():
-        reloads.sort(key=position.__getitem__)
-        later = set(reloads[1:])
-        moved += sum(position[r] != position[reloads[0]] + k for k, r in enumerate(reloads))
-        order = [n for n in order if n not in later]
-        at = order.index(reloads[0]) + 1
-        order[at:at] = reloads[1:]
-        for w, (_, _, op, inputs) in enumerate(items):
-            waited = {reload_of[i] for i in inputs if i in reload_of}
-            if op == "loong.wait_tensor" and waited & set(reloads):
-                holds += [(w, r) for r in reloads if r not in waited]
-    return order, holds, {"prefetch_layers": len(layers), "reloads_moved": moved, "waits_held": len(holds)}
 
 
 def forward_uses(node: Node) -> list[Node]:
@@ -116,7 +85,7 @@ def _compute_before(node: Node, start: Node | None = None) -> Node | None:
 
 class OffloadPass(FollowsActivationPlan):
     name = "offload"
-    provides: tuple[str, ...] = ()
+    uses = (RECOMPUTED_LAYERS,)    # per-layer recompute rows, for the report
 
     def run(self, split: SplitGraphs, ctx: PassContext) -> dict[str, Any]:
         plan = self.plan_of(ctx)

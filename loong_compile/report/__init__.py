@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.fx
 
-from loong_compile import _compat
+from loong_compile._compat.trace import trace_artifact
 from loong_compile.planner.draw import draw_plan  # noqa: F401 - re-exported
 
 
@@ -114,14 +114,14 @@ class Dumper:
         parts = [stage] + ([graph_kind] if graph_kind != stage else []) + ([when] if when else [])
         name = "_".join(parts)
         code = _readable(graph)
-        _compat.trace_artifact(f"loong_{name}", code)
+        trace_artifact(f"loong_{name}", code)
         if self.dir is not None:
             self._count += 1
             (self.dir / f"{self._count:02d}_{name}.py").write_text(code)
 
     def write_report(self) -> None:
         data = self.report.to_dict()
-        _compat.trace_artifact("loong_report", json.dumps(data, indent=1), encoding="json")
+        trace_artifact("loong_report", json.dumps(data, indent=1), encoding="json")
         if self.dir is not None:
             (self.dir / "report.json").write_text(json.dumps(data, indent=1))
             (self.dir / "report.md").write_text(self.report.to_markdown())

@@ -1,6 +1,6 @@
 """How the token analysis reads one FX node: its op, the axes it works on, its arguments.
 
-``passes/token_locality.py`` decides what mixes tokens; this module only answers questions
+``passes/safety/token_locality.py`` decides what mixes tokens; this module only answers questions
 about a node of a Dynamo graph (torch functions, tensor methods, custom ops and
 higher-order ops alike) without running it, and without guarding a dynamic length.
 """

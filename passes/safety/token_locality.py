@@ -37,22 +37,21 @@ import torch.fx
 
 from loong_compile.errors import LoongTokenMixingError
 from loong_compile.ops import attention_2d
-from loong_compile.passes.attention_2d import ATTENTION_SITES
-from loong_compile.passes.base import PassContext
+from loong_compile.passes.attention.attention_2d import ATTENTION_SITES
+from loong_compile.passes.base import Pass, PassContext
 from loong_compile.passes.fx_util import module_path, source_line
 from loong_compile.passes.subgraphs import graph_scopes, hop_name
-from loong_compile.passes.token_ops import (
+from loong_compile.passes.safety.token_ops import (
     ALLOWED_HOPS, ALONG_AXIS, CONVS, LINEAR, LOSSES, MATMULS, POSITIONS, REDUCTIONS,
     UNREWRITTEN_ATTENTION, counts_tokens, custom_op, example_value, from_input, full_slice,
     is_weight, node_arg, only_returned, op_name, reduced_dims)
 
-class TokenLocalityPass:
+class TokenLocalityPass(Pass):
     name = "token_locality"
     stage = "dynamo"
     # Only the rewritten attention may combine tokens: the calls ``attention_2d`` rewrote are
     # the ones this analysis allows.
     requires = (ATTENTION_SITES,)
-    provides: tuple[str, ...] = ()
 
     def enabled(self, config) -> bool:
         return config.sp > 1

@@ -27,16 +27,12 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from loong_compile.passes.fx_util import getitem_users, is_attention, is_random, tangent_dependent
-from loong_compile.passes.layers import find_layers
+from loong_compile.passes.activations.layers import find_layers
+from loong_compile.passes.base import Pass
 
 
-class SelectiveCheckpointPass:
+class SelectiveCheckpointPass(Pass):
     name, stage = "selective_checkpoint", "joint"
-    requires: tuple[str, ...] = ()
-    provides: tuple[str, ...] = ()
-
-    def enabled(self, config: Any) -> bool:
-        return True
 
     def run(self, joint: torch.fx.GraphModule, ctx: Any) -> dict[str, Any]:
         graph = joint.graph

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from loong_compile import _compat
+from loong_compile._compat.aot import real_tensors
 from loong_compile.passes.subgraphs import Scope, hop_name
 
 POSITIONS, PADDING = "position_ids", "attention_mask"
@@ -280,7 +280,7 @@ class _Subgraph:
             rows = [chunk[b % len(chunk)] for b in range(value.shape[0])]
             stacked = torch.stack([p.positions if role == POSITIONS else p.padding for p in rows])
             env[node] = stacked.to(device=value.device, dtype=value.dtype)
-        with _compat.real_tensors(), torch.no_grad():
+        with real_tensors(), torch.no_grad():
             mask = self._run(self.mask, env)
         if mask.dim() > 4 or tuple(mask.shape[-2:]) != (length, length):
             raise MaskNotProven(f"it has shape {tuple(mask.shape)}")

@@ -1,8 +1,8 @@
 """Inductor's memory planner with our offsets: the ``MemoryPlanner`` subclass, its
 installation on one graph's wrapper and the config patches that scope it to one compile.
 
-Private Inductor APIs (see ``loong_compile._compat``, capability
-``inductor_pool_planning``; the request types are in ``_inductor_pools``).
+Private Inductor APIs (capability ``inductor_pool_planning``; the request types are in
+``inductor_pools``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 
 from loong_compile import _compat
-from loong_compile._inductor_pools import (
+from loong_compile._compat.aot import aot_graph_kind
+from loong_compile._compat.inductor import KeyedHook, scheduler_pass_base
+from loong_compile._compat.inductor_pools import (
     PoolBuffer,
     PoolRequest,
     background_bytes,
@@ -109,7 +111,7 @@ def _pool_planner_class():
                 dynamic = "symbolic buffer sizes (dynamic shapes)"
             elif any(a.get_earliest_available() is not None for a in every):
                 dynamic = "unbacked buffer sizes"
-            name, kind = _compat.aot_graph_kind(self.is_inference)
+            name, kind = aot_graph_kind(self.is_inference)
             positions = graph_positions()
             devices = list({g.allocation.device: None for g in intermediates}) or \
                 [every[0].device if every else None]
@@ -218,7 +220,7 @@ def install_pool_planning(wrapper, planner) -> None:
     wrapper._loong_pool_planning = True
 
 
-class PoolPlanningHook(_compat.KeyedHook, _compat.scheduler_pass_base()):
+class PoolPlanningHook(KeyedHook, scheduler_pass_base()):
     """``_post_fusion_custom_pass``: leaves the nodes alone, hooks this graph's wrapper.
 
     Module level (and pickled as its cache key only, see ``KeyedHook``):

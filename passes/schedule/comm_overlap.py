@@ -4,7 +4,7 @@ AOTAutograd traces the three exchanges of q, k and v where the model calls atten
 the last projection and RoPE: left there, every start is followed at once by its wait.
 Inductor keeps a functional collective's start where the graph puts it (its own
 ``raise_comms`` would, but as a list scheduler it also delays host reloads next to their
-waits), and ``sink_waits`` (``_compat.comm_overlap_patches``) keeps each wait at its first
+waits), and ``sink_waits`` (``_compat.inductor.comm_overlap_patches``) keeps each wait at its first
 use.  So this pass moves each start up, together with the layout ops that only feed it (the
 pack: view, permute, copy), to just after the latest of their other inputs: q's exchange
 then runs while k and v are projected, v's while RoPE runs.  Where several exchanges feed
@@ -24,12 +24,13 @@ between them are in the ``overlap`` record).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.fx
 
-from loong_compile.passes import exchange_order
+from loong_compile.passes.schedule import exchange_order
+from loong_compile.passes.base import Pass
 from loong_compile.passes.fx_util import is_layout_op
 
 aten = torch.ops.aten
@@ -125,7 +126,7 @@ def order_chains(graph: torch.fx.Graph, starts: list[torch.fx.Node], order: Orde
     position = {n: i for i, n in enumerate(nodes)}
     copying = {s for s in starts if any(_copies(n) for n in _arrival_chain(s, order)[0])}
     kind = {_START: "start", _WAIT: "wait"}
-    items = [exchange_order.Node(
+    items = [exchange_order.ExchangeNode(
         n.name, kind.get(n.target, "kernel" if n.op == "call_function" else "other"),
         tuple(position[a] for a in n.all_input_nodes), n in copying) for n in nodes]
     new_order, _, report = exchange_order.order_exchanges(items)
@@ -169,13 +170,10 @@ def wait_in_start_order(starts: list[torch.fx.Node], order: Order) -> int:
     return reordered
 
 
-class CommOverlapPass:
+class CommOverlapPass(Pass):
     """Raise every SeqAlltoAll start to where its tensor is ready (``hp > 1``)."""
 
-    name: ClassVar[str] = "comm_overlap"
-    stage: ClassVar[str] = "post_grad"
-    requires: ClassVar[tuple[str, ...]] = ()
-    provides: ClassVar[tuple[str, ...]] = ()
+    name, stage = "comm_overlap", "post_grad"
 
     def enabled(self, config: Any) -> bool:
         return config.hp > 1

@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from loong_compile import _compat, rank_check
+from loong_compile import _compat
+from loong_compile._compat.distributed import new_group_in_order
+from loong_compile.checks import ranks as rank_check
 from loong_compile.errors import LoongMeshError
-from loong_compile.layout import PLACEMENTS, inner_ring_violation, rank_of
+from loong_compile.parallel.rules import PLACEMENTS, inner_ring_violation, rank_of
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +288,7 @@ def _new_groups(rank_lists: list[list[int]], rank: int, desc: str) -> str:
                 "(capability unsorted_process_groups, torch >= 2.12), and this ring is not "
                 "in ascending order", "use placement='head_first' and inner_ring=1, or "
                 "torch >= 2.12")
-        group = _compat.new_group_in_order(ranks, desc)
+        group = new_group_in_order(ranks, desc)
         if rank in ranks:
             mine = group.group_name
             if dist.get_process_group_ranks(group) != ranks:

@@ -3,7 +3,7 @@
 The request types (``PoolBuffer``, ``PoolRequest``) and the replay of the
 wrapper's allocation lines that gives the background bytes, the volatile steps
 and the pools Inductor's own heuristic would make.  The planner class that
-answers with offsets lives in ``loong_compile._inductor_pool_planner``.
+answers with offsets lives in ``loong_compile._compat.pool_planner``.
 
 How our offsets reach Inductor (checked against torch 2.13):
 * ``config.memory_planning=True`` makes the wrapper codegen pass its

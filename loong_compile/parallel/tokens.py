@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from loong_compile.errors import LoongShapeError
-from loong_compile.layout import sequence_divisor, sequence_violation  # noqa: F401 (re-exported)
+from loong_compile.parallel.rules import sequence_divisor, sequence_violation  # noqa: F401 (re-exported)
 
 IGNORE_INDEX = -100
 
@@ -67,7 +67,7 @@ def mesh_token_indices(seq_len: int, mesh, rank: int | None = None) -> torch.Ten
 
 def layout_positions(local_len: int, mesh, rank: int | None = None) -> torch.Tensor:
     """The global positions ``rank`` of ``mesh`` holds when it holds ``local_len`` tokens:
-    what its ``position_ids`` must be (``loong_compile.input_checks`` compares them)."""
+    what its ``position_ids`` must be (``loong_compile.checks.inputs`` compares them)."""
     return mesh_token_indices(local_len * mesh.sp, mesh, rank)
 
 
@@ -187,7 +187,7 @@ def gather_sequence(x: torch.Tensor, mesh, dim: int = 1) -> torch.Tensor:
     """
     if mesh.sp == 1:
         return x
-    from loong_compile._compat import resolve_process_group
+    from loong_compile._compat.distributed import resolve_process_group
 
     group = resolve_process_group(mesh.group_names["sp"])
     dim = dim % x.dim()

@@ -12,16 +12,16 @@ applies:  when ``hp * cp > 1``
 matches:  ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
           enable_gqa)`` and flash-attn's ``flash_attn_func`` (as Dynamo traces it: its
           autograd.Function around ``torch.ops.flash_attn._flash_attn_forward``, recognised by
-          ``passes/flash_match.py``), in the graph and in the bodies of activation checkpointing; KV heads repeated before the call by
+          ``passes/attention/flash_match.py``), in the graph and in the bodies of activation checkpointing; KV heads repeated before the call by
           ``repeat_kv`` (``x[:, :, None].expand(...).reshape(...)``) or
           ``repeat_interleave(n, dim=1)``.
 emits:    one ``loong_compile.ops.attention_2d`` call per site, on the un-repeated KV, with the
           mesh's group names as constant arguments; it traces into the seq all-to-all and
           Double-Ring custom ops under AOTAutograd.  A boolean ``attn_mask`` that
-          ``passes/mask_proof.py`` proves to be packed documents (from ``position_ids``), key
+          ``passes/attention/mask_proof.py`` proves to be packed documents (from ``position_ids``), key
           padding (from the 2-D ``attention_mask``), causality and a window becomes
           ``document_ids=`` (one ``sequence_document_ids`` call per graph,
-          ``passes/document_ids.py``) and ``window=``; the mask's own subgraph dies.  A window
+          ``passes/attention/document_ids.py``) and ``window=``; the mask's own subgraph dies.  A window
           the local length cannot show (``L <= W < S``) comes from the module's
           ``sliding_window`` (``model_facts``): on a masked call, and on a causal call without a
           mask (transformers skipped the mask because the local length fits the window).
@@ -49,15 +49,15 @@ import torch.fx
 import torch.nn.functional as F
 
 from loong_compile.errors import LoongTokenMixingError, LoongUnsupportedError
-from loong_compile.input_checks import graph_input_index
+from loong_compile.checks.inputs import graph_input_index
 from loong_compile.ops import attention_2d
-from loong_compile.passes import model_facts
-from loong_compile.passes.base import PassContext
-from loong_compile.passes.document_ids import DocumentIds
-from loong_compile.passes.flash_match import match_flash_attn
+from loong_compile.passes.attention import model_facts
+from loong_compile.passes.base import Pass, PassContext
+from loong_compile.passes.attention.document_ids import DocumentIds
+from loong_compile.passes.attention.flash_match import match_flash_attn
 from loong_compile.passes.fx_util import module_path, source_line
-from loong_compile.passes.kv_repeat import shape, unrepeated_kv
-from loong_compile.passes.mask_proof import PADDING, POSITIONS, MaskMeaning, MaskNotProven, Prover
+from loong_compile.passes.attention.kv_repeat import shape, unrepeated_kv
+from loong_compile.passes.attention.mask_proof import PADDING, POSITIONS, MaskMeaning, MaskNotProven, Prover
 from loong_compile.passes.subgraphs import Scope, drop_unused_operands, graph_scopes
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
@@ -77,10 +77,9 @@ MASK_FIX = ("build the mask as transformers does, from position_ids (packed docu
 ATTENTION_SITES = "attention_sites"
 
 
-class Attention2DPass:
+class Attention2DPass(Pass):
     name = "attention_2d"
     stage = "dynamo"
-    requires: tuple[str, ...] = ()
     provides = (ATTENTION_SITES,)
 
     def enabled(self, config) -> bool:

@@ -1,0 +1,48 @@
+"""PyTorch's flash-attention kernels (ops/kernels.py): the only aten ops that return the
+log-sum-exp that ring attention merges on; and the custom-op tags of ops/.  Checked: torch 2.13
+(the CPU kernel takes float64/float32/bfloat16 and fewer KV heads than Q heads)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sdpa_flash_cpu(q, k, v, is_causal: bool, scale: float, attn_mask=None):
+    """``(out, lse)`` of ``aten._scaled_dot_product_flash_attention_for_cpu`` (no dropout);
+    ``attn_mask`` is additive, of q's dtype."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def sdpa_flash_cpu_backward(dout, q, k, v, out, lse, is_causal: bool, scale: float,
+                            attn_mask=None):
+    """``(dq, dk, dv)`` of the CPU flash kernel, given the final ``out`` and ``lse``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def sdpa_flash_cuda(q, k, v, is_causal: bool, scale: float):
+    """``(out, lse)`` of ``aten._scaled_dot_product_flash_attention`` (CUDA, fp16/bf16)."""
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, is_causal, False, scale=scale)
+    return out, lse
+
+
+def sdpa_flash_cuda_backward(dout, q, k, v, out, lse, is_causal: bool, scale: float):
+    """``(dq, dk, dv)`` of the CUDA flash kernel.  Without dropout the philox state is
+    unused; ``None`` sequence offsets mean dense (not nested) inputs."""
+    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, is_causal, seed, offset,
+        scale=scale)
+
+
+def cudagraph_unsafe_tags() -> tuple:
+    """``(torch.Tag.cudagraph_unsafe,)``, or ``()`` on a torch without the tag.
+
+    Ops that communicate or copy to the host carry it, so Inductor's CUDA graphs
+    split around them instead of capturing them.  Checked: torch 2.13 has the tag.
+    """
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    return () if tag is None else (tag,)

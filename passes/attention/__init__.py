@@ -1,0 +1,11 @@
+"""Stage ``dynamo``, first: find every attention call, prove its mask, rewrite it to 2D-Attention.
+
+Needs: the Dynamo FX graph (torch IR, ``nn_module_stack`` and sources on every node) and the
+module being compiled (``model_facts``: windows and RoPE decided from the sequence length).
+Leaves: every attention call replaced by ``loong_compile.ops.attention_2d`` with its mask as
+document ids / padding / window (fact ``attention_sites``), for the token-safety stage to trust.
+
+``attention_2d`` is the pass; ``flash_match`` (flash-attn calls), ``kv_repeat`` (GQA repeats
+removed), ``mask_proof`` (what a mask means, by running its subgraph), ``document_ids``
+(the document-id graph a proven mask becomes) and ``model_facts`` are what it reads with.
+"""
