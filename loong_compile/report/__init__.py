@@ -11,6 +11,7 @@ artifacts, so ``TORCH_TRACE`` + tlparse show them beside Inductor's own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
@@ -113,17 +114,17 @@ class Dumper:
         a file in dump_dir and a structured-trace artifact."""
         parts = [stage] + ([graph_kind] if graph_kind != stage else []) + ([when] if when else [])
         name = "_".join(parts)
-        code = _readable(graph)
+        code = functools.cache(lambda: _readable(graph))
         trace_artifact(f"loong_{name}", code)
         if self.dir is not None:
             self._count += 1
-            (self.dir / f"{self._count:02d}_{name}.py").write_text(code)
+            (self.dir / f"{self._count:02d}_{name}.py").write_text(code())
 
     def write_report(self) -> None:
-        data = self.report.to_dict()
-        trace_artifact("loong_report", json.dumps(data, indent=1), encoding="json")
+        text = functools.cache(lambda: json.dumps(self.report.to_dict(), indent=1))
+        trace_artifact("loong_report", text, encoding="json")
         if self.dir is not None:
-            (self.dir / "report.json").write_text(json.dumps(data, indent=1))
+            (self.dir / "report.json").write_text(text())
             (self.dir / "report.md").write_text(self.report.to_markdown())
 
 
