@@ -22,6 +22,13 @@ from loong_compile._compat.inductor_pools import (
 )
 
 
+def _origins(node) -> list:
+    """The FX nodes a buffer came from.  A kernel's workspace (``WorkspaceArg``: scratch a
+    Triton kernel allocates through the wrapper on CUDA, torch 2.11) has none."""
+    get_origins = getattr(node, "get_origins", None)
+    return list(get_origins()) if get_origins is not None else []
+
+
 class _Declined(Exception):
     """The planner callback declined a graph: it gets Inductor's default allocation."""
 
@@ -124,7 +131,7 @@ def _pool_planner_class():
                     buffers=[PoolBuffer(list(g.names), int(g.allocation.size_hint),
                                         int(g.live_range.begin), int(g.live_range.end),
                                         sorted(((o.name, module_paths(o))
-                                                for o in g.node.get_origins()),
+                                                for o in _origins(g.node)),
                                                key=lambda o: positions.get(o[0], -1)))
                              for g in groups],
                     steps=len(background), backgrounds=backgrounds, volatile=volatile,

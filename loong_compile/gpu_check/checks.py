@@ -117,6 +117,8 @@ def _elapsed_ms(fn) -> float:
 
 def check_offload_overlap(figures: dict) -> str:
     """Offload/reload on the side stream: copies hidden behind matmuls, data bit-identical."""
+    import loong_compile.ops.offload  # noqa: F401  (defines torch.ops.loong.offload / reload / wait_tensor)
+
     device = require_cuda()
     acts = [torch.randn(64 << 20, device=device, dtype=torch.bfloat16) for _ in range(4)]
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
