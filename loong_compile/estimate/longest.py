@@ -85,7 +85,9 @@ def _reach(model, gpus, hardware, mesh, step, search) -> MeshReach:
         fitting = screen(model, multiple * step, gpus, hardware, [], meshes={mesh}, **search)
         return min(fitting, key=lambda x: x[-1].estimate_gib, default=None)
 
-    best, fits, beyond = None, 0, 1     # invariant: fits at `fits` multiples (0: nothing), not at `beyond`
+    # `fits`: the most multiples of `step` known to fit (0: none yet); `beyond`: the next to try
+    # while doubling, then the fewest known not to fit
+    best, fits, beyond = None, 0, 1
     while (found := least_memory(beyond)) is not None:
         best, fits, beyond = found, beyond, 2 * beyond
         if beyond * step > SEARCH_LIMIT:
