@@ -88,16 +88,6 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, global_tokens: int) -
                            reduction="sum") / global_tokens
 
 
-def all_reduce_gradients(model: torch.nn.Module, mesh) -> None:
-    """Sum gradients over the ranks sharing a sequence, average over data-parallel replicas."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad.div_(mesh.dp)
-
-
 def train(model: torch.nn.Module, forward: Callable, args: argparse.Namespace) -> list[float]:
     """The loop: shard each batch, step, print loss and tokens/s, return the per-step losses."""
     options = config_from_args(args)
@@ -120,11 +110,9 @@ def train(model: torch.nn.Module, forward: Callable, args: argparse.Namespace) -
         start = time.perf_counter()
         logits = forward(compiled, sharded.input_ids.to(dev), sharded.position_ids.to(dev))
         loss = token_loss(logits, sharded.labels.to(dev), global_tokens=args.batch * (args.seq - 1))
-        if args.fsdp:  # FSDP2 averages over all dp*sp ranks; the sp ranks of a sequence must sum
-            (loss * mesh.sp).backward()
-        else:
-            loss.backward()
-            all_reduce_gradients(model, mesh)
+        loss.backward()
+        if not args.fsdp:  # FSDP2 reduces during the backward (set_fsdp_gradient_divide_factor)
+            lc.reduce_gradients(model, mesh)   # sum over the sequence's ranks, mean over replicas
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         reported = loss.detach().clone()
@@ -146,9 +134,9 @@ def shard_with_fsdp2(model: torch.nn.Module, options: dict, mesh) -> torch.nn.Mo
 
     Blocks are compiled one by one (as torchtitan does) so FSDP2's all-gather and
     reduce-scatter hooks run between compiled graphs; the embedding and the head run eagerly.
-    FSDP2 averages gradients over all ranks; the training loop scales the loss by sp so that
-    they are summed over the ranks of a sequence and averaged over data-parallel replicas, as
-    ``all_reduce_gradients`` does without FSDP (gloo has no pre-multiplied reduce-scatter).
+    FSDP2's reduce-scatter spans all ranks; ``set_fsdp_gradient_divide_factor`` makes it divide
+    by dp instead of the world size, so gradients are summed over the ranks of a sequence and
+    averaged over data-parallel replicas, as ``lc.reduce_gradients`` does without FSDP.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -159,6 +147,7 @@ def shard_with_fsdp2(model: torch.nn.Module, options: dict, mesh) -> torch.nn.Mo
         block.compile(backend="loong", options=options, fullgraph=True)
         fully_shard(block, mesh=world)
     fully_shard(model, mesh=world)
+    lc.set_fsdp_gradient_divide_factor(model, mesh)
     return model
 
 

@@ -31,6 +31,8 @@ _LAZY = {
     "init_mesh": "loong_compile.parallel.mesh",
     "shard_batch": "loong_compile.parallel.tokens",
     "gather_sequence": "loong_compile.parallel.tokens",
+    "reduce_gradients": "loong_compile.parallel.gradients",
+    "set_fsdp_gradient_divide_factor": "loong_compile.parallel.gradients",
 }
 
 
@@ -56,5 +58,6 @@ _register_backend_unless_installed()
 __all__ = [
     "GraphReport", "LoongBackend", "LoongConfig", "LoongConfigError", "LoongError",
     "LoongMeshError", "LoongRankMismatchError", "LoongShapeError", "LoongUnsupportedError",
-    "Report", "explain", "gather_sequence", "init_mesh", "loong_backend", "shard_batch",
+    "Report", "explain", "gather_sequence", "init_mesh", "loong_backend", "reduce_gradients",
+    "set_fsdp_gradient_divide_factor", "shard_batch",
 ]

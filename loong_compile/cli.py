@@ -1,5 +1,6 @@
 """The ``loong`` command: ``loong estimate`` (memory of one configuration) and ``loong plan``
-(which configurations fit, ranked by predicted time).  Bad input exits with status 2 and a
+(which configurations fit, ranked by predicted time; with ``--max-seq``, the longest sequence
+that fits and the configurations that reach it).  Bad input exits with status 2 and a
 message naming the value.  Runs without torch or a GPU.
 """
 
@@ -15,6 +16,7 @@ from loong_compile.errors import LoongConfigError, LoongError
 from loong_compile.parallel.rules import ACTIVATION_POLICIES, ESTIMATED_POLICIES, PLACEMENTS
 
 _SUFFIX = {"": 1, "k": 1024, "m": 1024 ** 2}
+_SEQ_HELP = "sequence length (131072, 128K, 1M)"
 _PLAN_WIDTH = 156   # the ranked table's natural width; narrower consoles would truncate its cells
 
 
@@ -73,7 +75,6 @@ def _key_value(text: str) -> tuple[str, float]:
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="preset (llama2-7b, llama3.1-8b, llama3.1-70b, 7b-mha, 7b-gqa) or config.json path")
-    parser.add_argument("--seq", required=True, type=_positive_int, help="sequence length (131072, 128K, 1M)")
     parser.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per micro-batch")
     parser.add_argument("--gpu", help="hardware profile (a100, a100-40gb, h100, h100-94gb, h200) or JSON path")
     parser.add_argument("--gpu-opt", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     est = commands.add_parser("estimate", help="per-GPU memory of one configuration")
     _add_common(est)
+    est.add_argument("--seq", required=True, type=_positive_int, help=_SEQ_HELP)
     est.add_argument("--gpus", type=_positive_int, help="total GPUs (dp = gpus / (tp*pp*cp*hp))")
     for name in ("dp", "tp", "pp", "cp", "hp"):
         est.add_argument(f"--{name}", type=_positive_int, default=None if name == "dp" else 1)
@@ -113,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     pln = commands.add_parser("plan", help="rank the configurations that fit")
     _add_common(pln)
+    length = pln.add_mutually_exclusive_group(required=True)
+    length.add_argument("--seq", type=_positive_int, help=_SEQ_HELP)
+    length.add_argument("--max-seq", action="store_true",
+                        help="instead of --seq: find the longest sequence some configuration fits (per "
+                             "dp x cp x hp mesh and overall, under every rule of plan) and rank the "
+                             "configurations at that length")
+    pln.add_argument("--seq-multiple", type=_positive_int, metavar="N",
+                     help="with --max-seq: only lengths that are multiples of N (e.g. 1K); the layout's "
+                          "own multiple (2*cp*hp, hp when cp = 1) always applies")
     pln.add_argument("--gpus", type=_positive_int, required=True, help="total GPUs")
     pln.add_argument("--activations", type=_choice_list(ACTIVATION_POLICIES),
                      default=ACTIVATION_POLICIES, help="policies to try (comma-separated)")
@@ -156,26 +167,31 @@ def _memory_options(args, activations="none", alpha=1.0, zero=1, plan_defaults=F
                          recompute_working_set=not args.no_working_set, **common)
 
 
-def _masked_model(model, args, console):
-    """The model with ``--window`` on every layer; says what the masks are assumed to be
-    (memory is unchanged by them: the masks' ids are a few integers per token)."""
+def _masked_model(model, args):
+    """The model with ``--window`` on every layer."""
     import dataclasses
-
-    from loong_compile.estimate.masking import describe
 
     if args.window:
         model = dataclasses.replace(model, sliding_window=args.window, local_layers=model.layers)
-    if (args.window or args.doc_length) and not args.json:
-        console.print(describe(args.window, args.doc_length, args.seq, getattr(args, "cp", None))
-                      + "; memory unchanged")
     return model
+
+
+def _say_masks(args, seq, console):
+    """What the masks are assumed to be (memory is unchanged by them: the masks' ids are a few
+    integers per token)."""
+    from loong_compile.estimate.masking import describe
+
+    if (args.window or args.doc_length) and not args.json:
+        console.print(describe(args.window, args.doc_length, seq, getattr(args, "cp", None))
+                      + "; memory unchanged")
 
 
 def run_estimate(args, console) -> int:
     from loong_compile.estimate.memory import ParallelConfig, estimate_memory
     from loong_compile.estimate.presets import load_model
 
-    model = _masked_model(load_model(args.model), args, console)
+    model = _masked_model(load_model(args.model), args)
+    _say_masks(args, args.seq, console)
     hardware = _hardware(args, required=False)
     capacity = args.capacity_gib if args.capacity_gib is not None else (hardware and hardware.memory_gib)
     if capacity is None:
@@ -235,33 +251,77 @@ def run_estimate(args, console) -> int:
 def run_plan(args, console) -> int:
     from loong_compile.estimate.presets import load_model
     from loong_compile.estimate.rationale import explain_rank
-    from loong_compile.estimate.search import plan
     from loong_compile.estimate.validation import published_reference
 
-    model = _masked_model(load_model(args.model), args, console)
+    if args.seq_multiple is not None and not args.max_seq:
+        raise LoongConfigError(f"--seq-multiple {args.seq_multiple} with --seq {args.seq}",
+                               "--seq-multiple rounds the lengths --max-seq tries",
+                               "pass --max-seq instead of --seq, or drop --seq-multiple")
+    model = _masked_model(load_model(args.model), args)
     hardware = _hardware(args, required=True)
     if args.capacity_gib is not None:
         import dataclasses
         hardware = dataclasses.replace(hardware, memory_gib=args.capacity_gib)
-    result = plan(model, args.seq, args.gpus, hardware, policies=args.activations, alphas=args.alphas,
-                  zero_stages=args.zero, micro_batch=args.micro_batch, placements=args.placements,
-                  memory_options=_memory_options(args, plan_defaults=True),
-                  doc_length=args.doc_length)
-    if args.plot:
+    search = dict(policies=args.activations, alphas=args.alphas, zero_stages=args.zero,
+                  micro_batch=args.micro_batch, placements=args.placements,
+                  memory_options=_memory_options(args, plan_defaults=True), doc_length=args.doc_length)
+    if args.max_seq:
+        from loong_compile.estimate.longest import longest_sequence
+        longest = longest_sequence(model, args.gpus, hardware, seq_multiple=args.seq_multiple or 1, **search)
+        seq, result = longest.seq, longest.plan
+    else:
+        from loong_compile.estimate.search import plan
+        longest, seq = None, args.seq
+        result = plan(model, seq, args.gpus, hardware, **search)
+    if seq:
+        _say_masks(args, seq, console)
+    if args.plot and result is not None:
         from loong_compile.estimate.plot import plot_plan
         plot_plan(result, args.plot, args.top)
-    published = published_reference(model, args.seq, args.gpus)
-    explanation = explain_rank(result, args.explain) if args.explain else None
+    published = published_reference(model, seq, args.gpus) if seq else None
+    explanation = explain_rank(result, args.explain) if args.explain and result is not None else None
     if args.json:
-        out = result.to_dict(top=args.top)
+        out = longest.to_dict(top=args.top) if longest else result.to_dict(top=args.top)
         out["published"] = None if published is None else {"mfu": published[0], "source": published[1]}
         if explanation:
             out["explain"] = {"rank": args.explain, "lines": explanation}
         print(json.dumps(out, indent=2))
         return 0
+    if longest is not None:
+        _print_longest(longest, model, args.gpus, hardware, console)
+        if result is None:
+            return 0
+    _print_plan(result, seq, args, published, explanation, console)
+    return 0
+
+
+def _print_longest(longest, model, gpus, hardware, console) -> None:
     from rich.table import Table
 
-    table = Table(title=f"{model.name}, seq {args.seq}, {args.gpus} x {hardware.name} "
+    table = Table(title=f"{model.name}, {gpus} x {hardware.name} ({hardware.memory_gib:g} GiB): the longest "
+                        "sequence each mesh fits", title_justify="left")
+    for column in ("dp", "cp", "hp", "lengths: multiples of", "longest", "with (least memory)", "GiB"):
+        table.add_column(column, justify="left" if column.startswith("with") else "right", no_wrap=True)
+    for m in longest.meshes:
+        c = m.configuration
+        with_ = "-" if c is None else (f"{c['activations']}" + (f" a={c['alpha']:g}" if c["activations"] == "memo"
+                                                                  else "") + f", ZeRO-{c['zero']}")
+        table.add_row(str(m.dp), str(m.cp), str(m.hp), f"{m.step:,}", f"{m.longest:,}" if m.longest else "none",
+                      with_, "-" if m.estimate_gib is None else f"{m.estimate_gib:.2f}")
+    console.print(table)
+    if not longest.seq:
+        console.print("[red]no configuration fits at any length[/red]: even the shortest length of each mesh "
+                      "is over memory; see loong plan --seq N --show-pruned")
+        return
+    console.print(f"longest sequence that fits: [bold]{longest.seq:,}[/bold] tokens ({longest.seq / 1024:,.1f}K); "
+                  "one step more on its mesh does not fit. The configurations at that length:")
+
+
+def _print_plan(result, seq, args, published, explanation, console) -> None:
+    from rich.table import Table
+
+    hardware, model = result.hardware, result.model
+    table = Table(title=f"{model.name}, seq {seq}, {args.gpus} x {hardware.name} "
                         f"({hardware.memory_gib:g} GiB): {len(result.ranked)} configurations fit, "
                         f"{len(result.pruned)} pruned", title_justify="left")
     for column in ("#", "dp", "cp", "hp", "placement", "ring", "activations", "ZeRO", "GiB",
@@ -300,7 +360,6 @@ def run_plan(args, console) -> int:
                   soft_wrap=True)
     for line in explanation or ():
         console.print(line, highlight=False, soft_wrap=True)
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

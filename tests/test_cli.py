@@ -63,6 +63,18 @@ def test_plan_json(capsys):
     assert sum(data["pruned_reasons"].values()) == len(data["pruned"])
 
 
+def test_plan_max_seq(capsys):
+    """``--max-seq``: the longest length and the plan at it, in the table and in JSON."""
+    argv = ("plan", "--model", "llama3.1-8b", "--gpus", "8", "--gpu", "h100", "--max-seq")
+    code, out, _ = run(capsys, *argv, "--json")
+    data = json.loads(out)
+    assert code == 0 and data["max_seq"] == data["seq"] == max(m["longest"] for m in data["meshes"]) > 0
+    assert data["ranked"] and f"--seq {data['max_seq']} " in data["ranked"][0]["launch"]
+    code, out, _ = run(capsys, *argv, "--seq-multiple", "64K")
+    assert code == 0 and "the longest sequence each mesh fits" in out and "longest sequence that fits:" in out
+    assert 'backend="loong", options={' in out
+
+
 def test_plan_with_user_defined_hardware(capsys, tmp_path):
     profile = tmp_path / "cluster.json"
     profile.write_text(json.dumps({"memory_gib": 64, "gpus_per_node": 4, "nics_per_node": 2, "nic_gbps": 25,
@@ -112,6 +124,8 @@ BAD_INPUTS = [
       "--gpu-opt", "nics=4"), "unknown hardware field(s) nics"),
     (("plan", "--model", "llama3.1-8b", "--seq", "128K", "--gpus", "64", "--gpu", "h100",
       "--activations", "full"), "'full': choose from none, sc++, memo"),
+    (("plan", "--model", "llama3.1-8b", "--seq", "128K", "--gpus", "8", "--gpu", "h100", "--seq-multiple", "1K"),
+     "--seq-multiple 1024 with --seq 131072"),
 ]
 
 

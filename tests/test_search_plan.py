@@ -8,6 +8,7 @@ from loong_compile.config import LoongConfig
 from loong_compile.errors import LoongConfigError
 from loong_compile.estimate.hardware import load_hardware
 from loong_compile.estimate.memory import MemoryOptions, ParallelConfig, estimate_memory
+from loong_compile.estimate.longest import longest_sequence
 from loong_compile.estimate.presets import load_model
 from loong_compile.estimate.search import plan
 
@@ -96,3 +97,36 @@ def test_bad_input_names_the_value(kwargs, named):
     args.update(kwargs)
     with pytest.raises(LoongConfigError, match=named):
         plan(args.pop("model"), args.pop("seq"), args.pop("gpus"), args.pop("hardware"), **args)
+
+
+def test_longest_sequence_fits_and_nothing_fits_at_1_1x():
+    """``loong plan --max-seq``: Llama-3.1-8B on 8 H100s.  Its configuration fits at the length
+    it returns (the estimator's verdict, asked again here), nothing fits at 1.1x that length
+    (rounded to a length every mesh accepts), and on every mesh one step more does not fit.
+    No length is hard-coded: the answer moves with the estimator's terms."""
+    longest = longest_sequence(LLAMA31_8B, 8, H100)
+    best = longest.plan.best
+    assert longest.seq > 0 and best.config.seq == longest.seq and best.config.gpus == 8
+    options = MemoryOptions.loongtrain(activations=best.activations, zero=best.zero,
+                                       alpha=1.0 if best.alpha is None else best.alpha)
+    assert estimate_memory(LLAMA31_8B, best.config, options, H100.memory_gib).verdict == "fits"
+    beyond = -(-int(1.1 * longest.seq) // 16) * 16          # 16 = 2 * gpus: every 2*cp*hp divides it
+    assert plan(LLAMA31_8B, beyond, 8, H100).best is None
+    assert longest.seq == max(m.longest for m in longest.meshes)
+    assert {(m.dp, m.cp, m.hp) for m in longest.meshes} == {
+        (8 // (cp * hp), cp, hp) for hp in (1, 2, 4, 8) for cp in (1, 2, 4, 8) if cp * hp <= 8}
+    for m in longest.meshes:
+        def on_mesh(seq):
+            return [c for c in plan(LLAMA31_8B, seq, 8, H100).ranked
+                    if (c.config.dp, c.config.cp, c.config.hp) == (m.dp, m.cp, m.hp)]
+        assert m.longest % m.step == 0 and on_mesh(m.longest) and not on_mesh(m.longest + m.step)
+        assert min(c.memory.estimate_gib for c in on_mesh(m.longest)) == pytest.approx(m.estimate_gib)
+
+
+def test_longest_sequence_honours_the_multiple_and_reports_none_that_fit():
+    exact = longest_sequence(LLAMA31_8B, 8, H100, policies=("memo",), alphas=(0.0,), zero_stages=(3,))
+    rounded = longest_sequence(LLAMA31_8B, 8, H100, seq_multiple=1024, policies=("memo",), alphas=(0.0,),
+                               zero_stages=(3,))
+    assert rounded.seq % 1024 == 0 and exact.seq - 1024 < rounded.seq <= exact.seq
+    nothing = longest_sequence(LLAMA31_8B, 8, dataclasses.replace(H100, memory_gib=4))
+    assert nothing.seq == 0 and nothing.plan is None and all(m.longest == 0 for m in nothing.meshes)

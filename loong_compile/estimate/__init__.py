@@ -9,14 +9,15 @@ from loong_compile.estimate.memory import (
     LayerActivations, MemoryBreakdown, MemoryOptions, ParallelConfig, SavedTensor, Term, category_bytes,
     estimate_memory, layer_activations, memory_terms,
 )
+from loong_compile.estimate.longest import LongestSequence, MeshReach, longest_sequence
 from loong_compile.estimate.models import ModelSpec
 from loong_compile.estimate.presets import PRESETS, load_model
 from loong_compile.estimate.search import Candidate, Plan, Pruned, plan
 from loong_compile.estimate.step import StepCost, step_cost
 
 __all__ = [
-    "AttentionCost", "Candidate", "HardwareProfile", "LayerActivations", "LayerCost", "MemoryBreakdown",
-    "MemoryOptions", "ModelSpec", "PRESETS", "PROFILES", "ParallelConfig", "Plan", "Pruned", "SavedTensor",
+    "AttentionCost", "Candidate", "HardwareProfile", "LayerActivations", "LayerCost", "LongestSequence",
+    "MemoryBreakdown", "MemoryOptions", "MeshReach", "ModelSpec", "PRESETS", "PROFILES", "ParallelConfig", "Plan", "Pruned", "SavedTensor",
     "Term", "attention_cost", "category_bytes", "estimate_memory", "layer_activations", "layer_cost",
-    "load_hardware", "load_model", "memory_terms", "plan", "StepCost", "step_cost",
+    "load_hardware", "load_model", "longest_sequence", "memory_terms", "plan", "StepCost", "step_cost",
 ]

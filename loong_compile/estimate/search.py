@@ -130,11 +130,14 @@ class Plan:
 
 
 def _grids(model: ModelSpec, seq: int, gpus: int, placements, pruned: list[Pruned],
-           doc_length: int = 0):
-    """Valid (config without policy, placement) pairs; invalid grids go to ``pruned``."""
+           doc_length: int = 0, meshes=None):
+    """Valid (config without policy, placement) pairs; invalid grids go to ``pruned``.
+    ``meshes``: only these ``(dp, cp, hp)`` (default: every ``dp x cp x hp = gpus``)."""
     for hp in divisors(gpus):
         for cp in divisors(gpus // hp):
             dp = gpus // (hp * cp)
+            if meshes is not None and (dp, cp, hp) not in meshes:
+                continue
             grid = {"dp": dp, "cp": cp, "hp": hp}
             # the backend's rules (loong_compile.parallel.rules), as torch.compile(backend="loong") applies them
             refused = [(kind, violation) for kind, violation in (
@@ -152,14 +155,9 @@ def _grids(model: ModelSpec, seq: int, gpus: int, placements, pruned: list[Prune
                                          doc_length=doc_length), placement
 
 
-def plan(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, *,
-         policies: tuple[str, ...] = ACTIVATION_POLICIES, alphas: tuple[float, ...] = (0.0, 0.5, 1.0),
-         zero_stages: tuple[int, ...] = ZERO_STAGES, micro_batch: int = 1,
-         placements: tuple[str, ...] = PLACEMENTS,
-         memory_options: MemoryOptions | None = None, doc_length: int = 0) -> Plan:
-    """Enumerate, prune and rank.  ``memory_options`` supplies the switches and overheads
-    (default ``MemoryOptions.loongtrain()``); its policy, alpha and ZeRO stage are searched.
-    ``doc_length``: mean packed document length (0: one document per sequence)."""
+def check_search(seq: int, gpus: int, micro_batch: int, policies: tuple[str, ...],
+                 placements: tuple[str, ...]) -> None:
+    """Raise ``LoongConfigError`` naming the first search argument out of range."""
     for name, value in (("seq", seq), ("gpus", gpus), ("micro_batch", micro_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise LoongConfigError(f"{name}={value!r}", f"{name} must be a positive integer",
@@ -173,32 +171,58 @@ def plan(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, *,
     if bad_placements or not placements:
         raise LoongConfigError(f"placements={','.join(placements)!r}",
                                f"placements are {', '.join(PLACEMENTS)}", "pass a subset of them")
+
+
+def screen(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, pruned: list[Pruned], *,
+           policies: tuple[str, ...] = ACTIVATION_POLICIES, alphas: tuple[float, ...] = (0.0, 0.5, 1.0),
+           zero_stages: tuple[int, ...] = ZERO_STAGES, micro_batch: int = 1,
+           placements: tuple[str, ...] = PLACEMENTS, memory_options: MemoryOptions | None = None,
+           doc_length: int = 0, meshes=None):
+    """Every configuration ``plan`` searches at ``seq`` that passes the layout rules and the
+    memory rules, as ``(config, placement, policy, alpha, zero, options, memory)``; the others
+    go to ``pruned`` with their reason.  ``plan`` ranks what this yields; ``longest_sequence``
+    asks it whether anything fits."""
     base = memory_options or MemoryOptions.loongtrain()
     host_budget_gib = base.usable_fraction * hardware.host_memory_gib / hardware.gpus_per_node
-    ranked, pruned = [], []
-    for grid, placement in _grids(model, seq, gpus, placements, pruned, doc_length):
+    for grid, placement in _grids(model, seq, gpus, placements, pruned, doc_length, meshes):
         config = dataclasses.replace(grid, micro_batch=micro_batch)
         for zero in zero_stages:
             for policy in policies:
                 for alpha in alphas if policy == "memo" else (None,):
                     options = dataclasses.replace(base, activations=policy, zero=zero,
                                                   alpha=1.0 if alpha is None else alpha)
-                    described = {"dp": config.dp, "cp": config.cp, "hp": config.hp,
-                                 "placement": placement, "inner_ring": config.inner_ring,
-                                 "activations": policy, "alpha": alpha, "zero": zero}
                     memory = estimate_memory(model, config, options, hardware.memory_gib)
                     reason = _memory_reason(memory, host_budget_gib)
                     if reason:
-                        pruned.append(Pruned(described, reason))
+                        pruned.append(Pruned({"dp": config.dp, "cp": config.cp, "hp": config.hp,
+                                              "placement": placement, "inner_ring": config.inner_ring,
+                                              "activations": policy, "alpha": alpha, "zero": zero}, reason))
                         continue
-                    offload = 0.0
-                    if policy == "memo":
-                        sizes = category_bytes(model, config, options)
-                        offload = sizes["input"] + sizes["attention"] + alpha * sizes["other"]
-                    cost = layer_cost(model, config, placement, hardware, policy, alpha or 0.0,
-                                      offload, options.dtype_bytes)
-                    step = step_cost(model, config, cost, zero, hardware)
-                    ranked.append(Candidate(config, placement, policy, alpha, zero, memory, cost, step))
+                    yield config, placement, policy, alpha, zero, options, memory
+
+
+def plan(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, *,
+         policies: tuple[str, ...] = ACTIVATION_POLICIES, alphas: tuple[float, ...] = (0.0, 0.5, 1.0),
+         zero_stages: tuple[int, ...] = ZERO_STAGES, micro_batch: int = 1,
+         placements: tuple[str, ...] = PLACEMENTS,
+         memory_options: MemoryOptions | None = None, doc_length: int = 0) -> Plan:
+    """Enumerate, prune and rank.  ``memory_options`` supplies the switches and overheads
+    (default ``MemoryOptions.loongtrain()``); its policy, alpha and ZeRO stage are searched.
+    ``doc_length``: mean packed document length (0: one document per sequence)."""
+    check_search(seq, gpus, micro_batch, policies, placements)
+    ranked, pruned = [], []
+    for config, placement, policy, alpha, zero, options, memory in screen(
+            model, seq, gpus, hardware, pruned, policies=policies, alphas=alphas, zero_stages=zero_stages,
+            micro_batch=micro_batch, placements=placements, memory_options=memory_options,
+            doc_length=doc_length):
+        offload = 0.0
+        if policy == "memo":
+            sizes = category_bytes(model, config, options)
+            offload = sizes["input"] + sizes["attention"] + alpha * sizes["other"]
+        cost = layer_cost(model, config, placement, hardware, policy, alpha or 0.0,
+                          offload, options.dtype_bytes)
+        step = step_cost(model, config, cost, zero, hardware)
+        ranked.append(Candidate(config, placement, policy, alpha, zero, memory, cost, step))
     ranked = _drop_dominated_rings(ranked, pruned)
     ranked.sort(key=lambda x: (-x.tokens_per_gpu_s, x.memory.estimate_gib, placements.index(x.placement)))
     return Plan(model, seq, gpus, hardware, tuple(ranked), tuple(pruned))
