@@ -31,6 +31,8 @@ _LAZY = {
     "init_mesh": "loong_compile.mesh",
     "shard_batch": "loong_compile.data",
     "gather_sequence": "loong_compile.data",
+    "next_token_loss": "loong_compile.loss",
+    "NextTokenLoss": "loong_compile.loss",
 }
 
 
@@ -56,5 +58,6 @@ _register_backend_unless_installed()
 __all__ = [
     "GraphReport", "LoongBackend", "LoongConfig", "LoongConfigError", "LoongError",
     "LoongMeshError", "LoongRankMismatchError", "LoongShapeError", "LoongUnsupportedError",
-    "Report", "explain", "gather_sequence", "init_mesh", "loong_backend", "shard_batch",
+    "NextTokenLoss", "Report", "explain", "gather_sequence", "init_mesh", "loong_backend",
+    "next_token_loss", "shard_batch",
 ]

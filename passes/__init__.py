@@ -13,6 +13,7 @@ def library_passes() -> list:
     from loong_compile.passes.attention_2d import Attention2DPass
     from loong_compile.passes.checkpoint import SelectiveCheckpointPass
     from loong_compile.passes.comm_overlap import CommOverlapPass
+    from loong_compile.passes.loss.lm_head import LMHeadLossPass
     from loong_compile.passes.memory_plan import MemoryPlanPass
     from loong_compile.passes.offload import OffloadPass
     from loong_compile.passes.recompute import TokenSliceRecomputePass
@@ -21,6 +22,7 @@ def library_passes() -> list:
     return [
         Attention2DPass(),
         TokenLocalityPass(),
+        LMHeadLossPass(),
         SelectiveCheckpointPass(),
         ActivationsPass(),
         TokenSliceRecomputePass(),
