@@ -73,8 +73,7 @@ def lm_head_loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels:
         total += _chunk(hidden[rows], weight, bias, labels[rows], ignore_index, pre_scale,
                         softcap, post_scale, compute, grads, rows)
     if grads is None:
-        empty = hidden.new_empty(_NOTHING)
-        return total, empty, empty, empty
+        return total, *(hidden.new_empty(_NOTHING) for _ in range(3))
     return total, *grads.result()
 
 
@@ -83,8 +82,7 @@ def _(hidden, weight, bias, labels, ignore_index, chunk, pre_scale, softcap, pos
       with_grad):
     total = hidden.new_empty((), dtype=compute)
     if not with_grad:
-        empty = hidden.new_empty(_NOTHING)
-        return total, empty, empty, empty
+        return total, *(hidden.new_empty(_NOTHING) for _ in range(3))
     bias_grad = bias.new_empty(bias.shape) if bias is not None else hidden.new_empty(_NOTHING)
     return total, hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), bias_grad
 

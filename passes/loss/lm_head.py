@@ -131,9 +131,12 @@ def _match(loss: torch.fx.Node, autocast: set[torch.fx.Node]) -> Head:
         raise NotChunked("the loss's input is not (tokens, vocabulary) logits with (tokens,) "
                          "class labels")
     chain, transforms, node = [], [], x
-    if loss.target is F.nll_loss:
-        chain.append(x)
-        node = _log_softmax_input(x)
+    if loss.target is F.nll_loss:  # views and casts, then the log_softmax nll_loss reads
+        while isinstance(node, torch.fx.Node) and op_name(node) in VIEWS | CASTS:
+            chain.append(node)
+            node = _step_back(node, transforms)
+        chain.append(node)
+        node = _log_softmax_input(node)
     while not _is_projection(node):
         chain.append(node)
         node = _step_back(node, transforms)
@@ -154,8 +157,8 @@ def _match(loss: torch.fx.Node, autocast: set[torch.fx.Node]) -> Head:
 
 
 def _log_softmax_input(x: Any) -> torch.fx.Node:
-    if not (isinstance(x, torch.fx.Node) and op_name(x) == "log_softmax" and len(x.users) == 1):
-        raise NotChunked("nll_loss's input is not a log_softmax read by nothing else")
+    if not (isinstance(x, torch.fx.Node) and op_name(x) == "log_softmax"):
+        raise NotChunked("nll_loss's input is not a log_softmax of the logits")
     dim = node_arg(x, "dim", 1, None)
     ndim = example_value(x).dim()
     if dim is None or dim % ndim != ndim - 1:
