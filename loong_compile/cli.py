@@ -57,6 +57,10 @@ def _list_of(parse_one):
     return parse
 
 
+def _chunk(text: str) -> int | str:
+    return "auto" if text.strip() == "auto" else _positive_int(text)
+
+
 def _zero_stage(text: str) -> int:
     if text.strip() not in ("0", "1", "2", "3"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a ZeRO stage (0, 1, 2 or 3)")
@@ -91,6 +95,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="sliding window in tokens on every layer (replaces the model's)")
     parser.add_argument("--doc-length", type=_positive_int, default=0,
                         help="mean length of the packed documents (default: one per sequence)")
+    parser.add_argument("--lm-head-chunk", type=_chunk, default="auto", metavar="TOKENS",
+                        help="tokens per chunk of the LM head and its loss, as the compiler's "
+                             "lm_head_chunk option (default: auto)")
+    parser.add_argument("--unchunked-lm-head", action="store_true",
+                        help="count the LM head's logits of every token (4D eq. 14: the logits "
+                             "are a graph output, or the lm_head_loss pass is disabled)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,8 +158,9 @@ def _memory_options(args, activations="none", alpha=1.0, zero=1, plan_defaults=F
 
     overrides = {name: getattr(args, name) for name in ("cuda_context_gib", "comm_buffers_gib", "fragmentation")
                  if getattr(args, name) is not None}
+    chunk = None if args.unchunked_lm_head or getattr(args, "paper_terms", False) else args.lm_head_chunk
     common = dict(activations=activations, alpha=alpha, zero=zero, dtype_bytes=args.dtype_bytes,
-                  usable_fraction=args.usable_fraction, **overrides)
+                  usable_fraction=args.usable_fraction, lm_head_chunk=chunk, **overrides)
     if plan_defaults:
         return MemoryOptions(**common) if args.paper_terms else MemoryOptions.loongtrain(**common)
     return MemoryOptions(exact=args.exact, double_ring_buffers=args.double_ring_buffers,

@@ -9,12 +9,12 @@ chunk of ``C`` tokens during the forward (docs/architecture.md, "The LM head and
 What it costs:
 
 - kept from the forward to the backward (``kept_bytes``): the gradient of the hidden states
-  (tokens x h) and of the head's weight (V x h), in the parameters' dtype, and the bias's
-  (V) when there is one.  The hidden states themselves and the logits are not kept.
+  (tokens x h) in their dtype, and of the head's weight (V x h) and bias (V, when there is one)
+  as they were accumulated, in float32 at least (the backward scales them, then casts them to
+  the parameters' dtype).  The hidden states themselves and the logits are not kept.
 - while it runs (``working_bytes``): one chunk's logits in the compute dtype (float32; float64
   for a float64 model), the projection in the weights' dtype when that is narrower (bf16), and,
-  for a softcapped head (Gemma), the tanh beside the logits; with weights narrower than float32,
-  the weight's gradient accumulates in a float32 buffer (V x h) until it is cast at the end.
+  for a softcapped head (Gemma), the tanh beside the logits.
 
 The formulas take numbers or sympy symbols alike (the estimator evaluates them symbolically).
 """
@@ -52,15 +52,15 @@ def compute_bytes(dtype_bytes: Any) -> Any:
     return sp.Max(LOGIT_BYTES, dtype_bytes)
 
 
-def working_bytes(chunk: Any, vocab: Any, hidden: Any, dtype_bytes: Any, softcap: bool = False) -> Any:
+def working_bytes(chunk: Any, vocab: Any, dtype_bytes: Any, softcap: bool = False) -> Any:
     """Bytes the op needs while it runs, beyond what it returns (``dtype_bytes``: the weights')."""
     compute = compute_bytes(dtype_bytes)
-    narrow = sp.Piecewise((1, sp.StrictLessThan(dtype_bytes, LOGIT_BYTES)), (0, True))
-    per_logit = compute + narrow * dtype_bytes + (compute if softcap else 0)
-    return chunk * vocab * per_logit + narrow * LOGIT_BYTES * vocab * hidden
+    narrow = sp.Piecewise((dtype_bytes, sp.StrictLessThan(dtype_bytes, LOGIT_BYTES)), (0, True))
+    return chunk * vocab * (compute + narrow + (compute if softcap else 0))
 
 
 def kept_bytes(tokens: Any, hidden: Any, vocab: Any, dtype_bytes: Any, bias: bool = False) -> Any:
     """Bytes the forward keeps for the backward: the gradients of the hidden states, the
     weight and the bias (computed in the forward, scaled by the loss's gradient after)."""
-    return dtype_bytes * (tokens * hidden + vocab * hidden + (vocab if bias else 0))
+    return (dtype_bytes * tokens * hidden
+            + compute_bytes(dtype_bytes) * vocab * (hidden + (1 if bias else 0)))

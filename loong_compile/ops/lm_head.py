@@ -83,13 +83,17 @@ def _(hidden, weight, bias, labels, ignore_index, chunk, pre_scale, softcap, pos
     total = hidden.new_empty((), dtype=compute)
     if not with_grad:
         return total, *(hidden.new_empty(_NOTHING) for _ in range(3))
-    bias_grad = bias.new_empty(bias.shape) if bias is not None else hidden.new_empty(_NOTHING)
-    return total, hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), bias_grad
+    accumulate = torch.promote_types(compute, weight.dtype)
+    bias_grad = (bias.new_empty(bias.shape, dtype=accumulate) if bias is not None
+                 else hidden.new_empty(_NOTHING))
+    return (total, hidden.new_empty(hidden.shape),
+            weight.new_empty(weight.shape, dtype=accumulate), bias_grad)
 
 
 class _Gradients:
     """The gradients of the summed loss, accumulated chunk by chunk (weight and bias in the
-    wider of the compute dtype and theirs, cast to theirs at the end)."""
+    wider of the compute dtype and theirs: the backward scales them, then casts them to the
+    parameters' dtype)."""
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, compute: torch.dtype):
         self.hidden, self.weight = hidden, weight
@@ -98,22 +102,22 @@ class _Gradients:
         self.d_weight = torch.zeros(weight.shape, dtype=self.accumulate, device=weight.device)
         self.d_bias = None if bias is None else torch.zeros(bias.shape, dtype=self.accumulate,
                                                             device=bias.device)
-        self.bias_dtype = None if bias is None else bias.dtype
 
     def add(self, d_logits: Tensor, rows: slice) -> None:
         """Add one chunk's dL/dlogits ``(C, V)`` (compute dtype)."""
         narrow = d_logits.to(self.weight.dtype)   # a new buffer only for a narrower weight
-        self.d_hidden[rows] = narrow @ self.weight
+        if self.d_hidden.dtype == self.weight.dtype:
+            torch.mm(narrow, self.weight, out=self.d_hidden[rows])
+        else:
+            self.d_hidden[rows] = narrow @ self.weight
         del narrow
         self.d_weight.addmm_(d_logits.t().to(self.accumulate), self.hidden[rows].to(self.accumulate))
         if self.d_bias is not None:
             self.d_bias += d_logits.sum(0)
 
     def result(self) -> tuple[Tensor, Tensor, Tensor]:
-        d_weight = self.d_weight.to(self.weight.dtype)
-        d_bias = (self.d_bias.to(self.bias_dtype) if self.d_bias is not None
-                  else self.hidden.new_empty(_NOTHING))
-        return self.d_hidden, d_weight, d_bias
+        d_bias = self.d_bias if self.d_bias is not None else self.hidden.new_empty(_NOTHING)
+        return self.d_hidden, self.d_weight, d_bias
 
 
 def _chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, ignore_index: int,
@@ -153,20 +157,22 @@ def _chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, 
 def _setup_context(ctx, inputs, output) -> None:
     _, d_hidden, d_weight, d_bias = output
     ctx.has_bias = inputs[2] is not None
+    ctx.dtypes = [None if t is None else t.dtype for t in inputs[:3]]
     ctx.save_for_backward(d_hidden, d_weight, d_bias)
     ctx.mark_non_differentiable(d_hidden, d_weight, d_bias)
 
 
 def _backward(ctx, grad_loss, *_unused):
     d_hidden, d_weight, d_bias = ctx.saved_tensors
-    scaled = [_scaled(d, grad_loss) for d in (d_hidden, d_weight)]
-    return *scaled, _scaled(d_bias, grad_loss) if ctx.has_bias else None, *[None] * 8
+    hidden, weight, bias = ctx.dtypes
+    return (_scaled(d_hidden, grad_loss, hidden), _scaled(d_weight, grad_loss, weight),
+            _scaled(d_bias, grad_loss, bias) if ctx.has_bias else None, *[None] * 8)
 
 
-def _scaled(grad: Tensor, by: Tensor) -> Tensor:
-    """``grad * by`` with the product in the wider dtype of the two."""
+def _scaled(grad: Tensor, by: Tensor, dtype: torch.dtype) -> Tensor:
+    """``grad * by`` in ``dtype``, the product in the wider dtype of the two."""
     wide = torch.promote_types(grad.dtype, by.dtype)
-    return (grad.to(wide) * by.to(wide)).to(grad.dtype)
+    return (grad.to(wide) * by.to(wide)).to(dtype)
 
 
 lm_head_loss_op.register_autograd(_backward, setup_context=_setup_context)

@@ -295,8 +295,7 @@ def _rewrite(graph: torch.fx.Graph, head: Head, setting: int | str) -> dict[str,
             "unchunked_logits_bytes": tokens * vocab * max(4, logits.element_size()),
             "kept_bytes": int(kept_bytes(tokens, hidden.shape[-1], vocab, dtype_bytes,
                                          head.bias is not None)) if kwargs["with_grad"] else 0,
-            "working_bytes": int(working_bytes(chunk, vocab, hidden.shape[-1], dtype_bytes,
-                                               head.softcap))}
+            "working_bytes": int(working_bytes(chunk, vocab, dtype_bytes, head.softcap))}
 
 
 def _fake(node: torch.fx.Node) -> Any:
@@ -328,7 +327,7 @@ def _logits_outputs(graph: torch.fx.Graph, chunks: set[int]) -> list[dict[str, A
         tokens = value.numel() // out_features
         chunk = chunk_tokens(tokens, out_features)
         gib = value.numel() * value.element_size() / GIB
-        chunked = float(working_bytes(chunk, out_features, in_features, value.element_size())) / GIB
+        chunked = float(working_bytes(chunk, out_features, value.element_size())) / GIB
         found.append({
             "node": node.name, "source": source_line(node), "shape": list(value.shape),
             "dtype": str(value.dtype).removeprefix("torch."), "gib": gib,
