@@ -110,7 +110,8 @@ def train(model: torch.nn.Module, args: argparse.Namespace) -> list[float]:
     else:
         step_loss = torch.compile(lc.NextTokenLoss(model), backend="loong", options=options,
                                   fullgraph=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    # the step's parameters: under FSDP2 the head has moved out of the model into the loss unit
+    optimizer = torch.optim.AdamW(step_loss.parameters(), lr=args.lr, weight_decay=0.0)
     text = stdlib_text(args.text_bytes)
     data = batches(text, args.batch * mesh.dp, args.seq, args.seed)
     losses: list[float] = []

@@ -27,9 +27,10 @@ from loong_compile.data import IGNORE_INDEX
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor,
                     num_labels: torch.Tensor | int) -> torch.Tensor:
     """Cross-entropy of ``logits`` ``(..., V)`` against already-shifted ``labels`` (``-100``:
-    ignored), summed in float32 and divided by ``num_labels``, the count of labels that are not
-    ignored in the whole batch (every rank of the sequence passes the same)."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(),
+    ignored), summed in float32 at least and divided by ``num_labels``, the count of labels
+    that are not ignored in the whole batch (every rank of the sequence passes the same)."""
+    wide = torch.promote_types(logits.dtype, torch.float32)
+    return F.cross_entropy(logits.flatten(0, -2).to(wide), labels.flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum") / num_labels
 
 
