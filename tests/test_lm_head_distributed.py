@@ -22,6 +22,10 @@ from trust_matrix import (
 
 HP, CP = 2, 2
 LOCAL_TOKENS = BATCH * SEQ // (HP * CP)
+# Every model here normalises in float32 inside (RMSNorm's upcast); Inductor fuses those float32
+# reductions differently from eager, so float64 models agree to float32 round-off (measured
+# 1.3e-7), not float64's.  A token chunk lost or counted twice is off by more than 1e-2.
+INDUCTOR_TOLERANCE = 1e-5
 
 
 def _own_llama(dtype=torch.float64):
@@ -99,10 +103,10 @@ def test_chunked_loss_under_hp2_cp2_inductor_equals_one_process(outcomes, name):
     assert head["tokens"] == LOCAL_TOKENS and head["chunk"] == LM_HEAD_CHUNK
     assert all(r[name][1] == head["chunks"] == LOCAL_TOKENS // LM_HEAD_CHUNK for r in outcomes[1:])
     if name == "own llama":
-        want, tol = _own_llama_reference(), 1e-9
+        want, tol = _own_llama_reference(), INDUCTOR_TOLERANCE
     else:
         case = next(c for c in LOSS_IN_GRAPH_CASES if c.name == name)
-        want, tol = reference(case), tolerance(case)
+        want, tol = reference(case), max(tolerance(case), INDUCTOR_TOLERANCE)
         assert head["softcap"] == (case.arch == "gemma3")
         tied = case.arch == "gemma3" or case.habit == "loss_in_graph_tied"
         assert ("embed_tokens" in head["weight"]) == tied, head["weight"]
