@@ -3,6 +3,7 @@ plain Inductor vs backend="loong" (the LM head and its loss token-chunked).
 
     MALLOC_MMAP_THRESHOLD_=65536 python benchmarks/lm_head_memory.py [--tokens 8192] [--steps 3]
     python benchmarks/lm_head_memory.py --strategies     # gradient in forward vs recompute
+    python benchmarks/lm_head_memory.py --device cuda --tokens 32768 --long 131072   # a GPU
 
 Model: a transformers ``LlamaForCausalLM`` of 2 layers, width 64, Llama-3's 128,256-word
 vocabulary, one sequence; the step is ``model(ids, position_ids=pos, labels=ids).loss``
@@ -13,6 +14,9 @@ vocabulary, one sequence; the step is ``model(ids, position_ids=pos, labels=ids)
   before the step, for the step after the compiling one (the parameters' gradients are freed
   between steps, so the step allocates them too);
 - step: forward + backward, the median of ``--steps`` steps after the compiling one.
+
+With ``--device cuda`` the model runs on the GPU and the peak is the CUDA caching allocator's
+(``max_memory_allocated`` after resetting it, minus what was allocated before the step).
 
 ``--strategies`` times the two ways to chunk, eagerly, on the head of that model (8,192 tokens
 x 128,256 words, width 64, float32): the gradient computed in the forward, chunk by chunk, as
@@ -43,16 +47,17 @@ def status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def child(backend: str, tokens: int, steps: int, chunk: str) -> dict:
+def child(backend: str, tokens: int, steps: int, chunk: str, device: str = "cpu") -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=4 * WIDTH, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=tokens,
-        attn_implementation="sdpa"))
-    ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(1))
-    pos = torch.arange(tokens).unsqueeze(0)
+        attn_implementation="sdpa")).to(device)
+    ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(1)).to(device)
+    pos = torch.arange(tokens, device=device).unsqueeze(0)
+    cuda = device == "cuda"
     options = {} if backend == "inductor" else {
         "options": {"lm_head_chunk": chunk if chunk == "auto" else int(chunk)}}
     step = torch.compile(lambda i, p, y: model(i, position_ids=p, labels=y).loss,
@@ -62,25 +67,37 @@ def child(backend: str, tokens: int, steps: int, chunk: str) -> dict:
         start = time.perf_counter()
         loss = step(ids, pos, ids)
         loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
         return seconds, loss.item()
 
     train_step()                                     # compiles
-    rest = status_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")
-    seconds, loss = train_step()
-    peak = status_kib("VmHWM") - rest
+    if cuda:
+        rest = torch.cuda.memory_allocated() / 1024
+        torch.cuda.reset_peak_memory_stats()
+        seconds, loss = train_step()
+        peak = torch.cuda.max_memory_allocated() / 1024 - rest
+    else:
+        rest = status_kib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")
+        seconds, loss = train_step()
+        peak = status_kib("VmHWM") - rest
     times = [seconds] + [train_step()[0] for _ in range(steps - 1)]
-    return {"backend": backend, "tokens": tokens, "chunk": chunk, "loss": loss,
+    return {"backend": backend, "device": device, "tokens": tokens, "chunk": chunk, "loss": loss,
             "peak_gib": peak / 2 ** 20, "step_s": statistics.median(times), "steps": times}
 
 
-def run(backend: str, tokens: int, steps: int, chunk: str) -> dict:
+def run(backend: str, tokens: int, steps: int, chunk: str, device: str) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    out = subprocess.run([sys.executable, __file__, "--child", backend, str(tokens), str(steps), chunk],
-                         env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run([sys.executable, __file__, "--child", backend, str(tokens), str(steps), chunk,
+                          device], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{backend} at {tokens} tokens failed:\n{out.stderr[-3000:]}")
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def strategies(tokens: int = 8192, chunk: int = 256, rounds: int = 3) -> dict:
@@ -144,19 +161,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--chunk", default="auto")
     parser.add_argument("--strategies", action="store_true")
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        backend, tokens, steps, chunk = args.child
-        print(json.dumps(child(backend, int(tokens), int(steps), chunk)))
+        backend, tokens, steps, chunk, device = args.child
+        print(json.dumps(child(backend, int(tokens), int(steps), chunk, device)))
         return
     if args.strategies:
         for name, seconds in strategies().items():
             print(f"{name:24s} {seconds:.2f} s")
         return
-    rows = [run("inductor", args.tokens, args.steps, args.chunk),
-            run("loong", args.tokens, args.steps, args.chunk),
-            run("loong", args.long, args.steps, args.chunk)]
+    rows = [run("inductor", args.tokens, args.steps, args.chunk, args.device),
+            run("loong", args.tokens, args.steps, args.chunk, args.device),
+            run("loong", args.long, args.steps, args.chunk, args.device)]
     base = rows[0]
     print("| backend | tokens | peak above rest GiB | vs Inductor | step s (median) | vs Inductor | loss |")
     print("|---|---|---|---|---|---|---|")
@@ -165,7 +183,6 @@ def main() -> None:
         print(f"| {r['backend']} | {r['tokens']} | {r['peak_gib']:.3f} | "
               f"{r['peak_gib'] / base['peak_gib']:.1%} | {r['step_s']:.2f} | "
               f"{r['step_s'] / base['step_s'] if same else float('nan'):.2f}x | {r['loss']:.6f} |")
-    print(json.dumps(rows))
 
 
 if __name__ == "__main__":

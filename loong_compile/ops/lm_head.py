@@ -143,9 +143,9 @@ def _chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, 
     lse = (sums.log() + peak).squeeze(1)
     loss = torch.where(valid, lse - target, 0).sum()
     if grads is not None:
-        d_logits = exp.div_(sums)                        # softmax ...
+        weight = valid.unsqueeze(1) / sums               # ignored tokens: no gradient
+        d_logits = exp.mul_(weight)                      # softmax ...
         d_logits.scatter_add_(1, index, -valid.unsqueeze(1).to(compute))   # ... minus one-hot
-        d_logits.mul_(valid.unsqueeze(1))                # ignored tokens: no gradient
         if capped is not None:                           # d(post * tanh(pre * z)) / dz
             d_logits.mul_(capped.square_().neg_().add_(1).mul_(pre_scale * post_scale))
         elif pre_scale * post_scale != 1.0:
