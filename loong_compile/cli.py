@@ -215,8 +215,11 @@ def run_estimate(args, console) -> int:
         from loong_compile.estimate.plot import plot_memory
         plot_memory(result, title, args.plot)
     if args.json:
+        from loong_compile.estimate.memory import lm_head_chunk
+
+        chunk = None if options.lm_head_chunk is None else lm_head_chunk(model, config, options)
         print(json.dumps({"model": model.as_dict(), "config": config.__dict__, "options": options.__dict__,
-                          **result.to_dict()}, indent=2))
+                          "lm_head_chunk_tokens": chunk, **result.to_dict()}, indent=2))
         return 0
     from rich.table import Table
 
@@ -236,6 +239,14 @@ def run_estimate(args, console) -> int:
         table.add_section()
         table.add_row(name, f"{gib:.2f}", result.sources[name] + " (host memory, not GPU)")
     console.print(table)
+    if options.lm_head_chunk is not None:
+        from loong_compile.estimate.memory import lm_head_chunk
+
+        console.print(f"LM head: chunked with the loss in the graph, C = "
+                      f"{lm_head_chunk(model, config, options)} tokens per chunk (lm_head_chunk="
+                      f"{options.lm_head_chunk}); --unchunked-lm-head counts every token's logits "
+                      "(4D eq. 14: logits returned by the compiled model)", highlight=False,
+                      soft_wrap=True)
     color = {"fits": "green", "near limit": "yellow", "exceeds": "red"}[result.verdict]
     console.print(f"capacity {result.capacity_gib:g} GiB, usable {result.limit_gib:.2f} GiB "
                   f"({result.usable_fraction:g}), headroom {result.headroom_gib:.2f} GiB: "
