@@ -8,7 +8,9 @@ The model is not modified: attention stays transformers' SDPA path, which the
 backend rewrites into 2D-Attention.  Leave ``use_cache`` at its default: with
 ``use_cache=False`` transformers builds a packed-sequence mask from
 ``position_ids`` under torch.compile, and a mask cannot be distributed exactly
-(the backend then refuses the model with a clear error).
+(the backend then refuses the model with a clear error).  The compiled function is the model
+and its loss (``loong_compile.NextTokenLoss``, examples/training.py): the LM head and the loss
+are chunked by tokens, and the logits never exist.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     args = parser.parse_args(argv)
     init_distributed()
     model = build_model(args)
-    return train(model, lambda m, ids, pos: m(ids, position_ids=pos).logits, args)
+    return train(model, args)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
     python examples/train_llama.py                                   # one process
     torchrun --nproc-per-node 4 examples/train_llama.py --hp 2 --cp 2  # 2D-Attention on 4 ranks
 
-Every LoongConfig key is a flag (--activations memo, --memory-plan, --dump-dir out/, ...).
+Every LoongConfig key is a flag (--activations memo, --memory-plan, --dump-dir out/,
+--lm-head-chunk 1024, ...).  The compiled function is the model and its loss
+(``loong_compile.NextTokenLoss``, examples/training.py), so the LM head is chunked with it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     cfg = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=args.kv_heads, ffn_dim=int(8 * args.dim / 3) // 8 * 8)
     model = Llama(cfg)
-    return train(model, lambda m, ids, pos: m(ids, position_ids=pos), args)
+    return train(model, args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 """What both training examples share: text, the distributed setup, the loss, the loop.
 
+The compiled function is the model *and* its loss (``loong_compile.NextTokenLoss``): with the
+loss in the graph the backend chunks the LM head and the loss by tokens, so the logits
+(tokens x vocabulary) never exist; a compiled model that returned its logits would hold them.
+
 The text is the Python standard library's own source, read as bytes (a
 256-token byte-level vocabulary): every machine with Python has it, so the
 examples need no download.
@@ -12,12 +16,10 @@ import os
 import sys
 import sysconfig
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import loong_compile as lc
 from loong_compile.config import LoongConfig
@@ -54,7 +56,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, nargs="*", default=[], help="passes to skip")
         elif f.type in ("bool",):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif f.type == "float | str":  # alpha, host_bandwidth, ...: "auto" or a number
+        elif f.type in ("float | str", "int | str"):  # alpha, lm_head_chunk: "auto" or a number
             parser.add_argument(flag, default=f.default, help='"auto" or a number')
         else:
             kind = {"int": int, "float": float}.get(f.type, str)
@@ -64,8 +66,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> dict:
     options = {name: getattr(args, name) for name in LoongConfig.__dataclass_fields__}
     for name, f in LoongConfig.__dataclass_fields__.items():
-        if f.type == "float | str" and options[name] != "auto":
-            options[name] = float(options[name])
+        if f.type in ("float | str", "int | str") and options[name] != "auto":
+            options[name] = (float if f.type == "float | str" else int)(options[name])
     return options
 
 
@@ -82,24 +84,24 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor, global_tokens: int) -> torch.Tensor:
-    """This rank's share of the mean next-token loss: summed over ranks it is the full loss."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                           reduction="sum") / global_tokens
+def train(model: torch.nn.Module, args: argparse.Namespace) -> list[float]:
+    """The loop: shard each batch, step, print loss and tokens/s, return the per-step losses.
 
-
-def train(model: torch.nn.Module, forward: Callable, args: argparse.Namespace) -> list[float]:
-    """The loop: shard each batch, step, print loss and tokens/s, return the per-step losses."""
+    Each rank's loss is its share of the batch's mean next-token loss (the sum over its tokens
+    over the batch's label count, ``batch.num_labels``): summed over the ranks of a sequence
+    it is the one-process loss."""
     options = config_from_args(args)
     mesh = lc.init_mesh(hp=args.hp, cp=args.cp, placement=args.placement, inner_ring=args.inner_ring)
     rank = dist.get_rank() if dist.is_initialized() else 0
     dev = device()
     model.to(dev)
     if args.fsdp:
-        compiled = shard_with_fsdp2(model, options, mesh)
+        step_loss = shard_with_fsdp2(model, options, mesh)
     else:
-        compiled = torch.compile(model, backend="loong", options=options, fullgraph=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        step_loss = torch.compile(lc.NextTokenLoss(model), backend="loong", options=options,
+                                  fullgraph=True)
+    # the step's parameters: under FSDP2 the head has moved out of the model into the loss unit
+    optimizer = torch.optim.AdamW(step_loss.parameters(), lr=args.lr, weight_decay=0.0)
     text = stdlib_text(args.text_bytes)
     data = batches(text, args.batch * mesh.dp, args.seq, args.seed)
     losses: list[float] = []
@@ -108,11 +110,11 @@ def train(model: torch.nn.Module, forward: Callable, args: argparse.Namespace) -
         tokens = next(data)[mesh.dp_rank * args.batch:(mesh.dp_rank + 1) * args.batch]
         sharded = lc.shard_batch(tokens, tokens, mesh)
         start = time.perf_counter()
-        logits = forward(compiled, sharded.input_ids.to(dev), sharded.position_ids.to(dev))
-        loss = token_loss(logits, sharded.labels.to(dev), global_tokens=args.batch * (args.seq - 1))
+        loss = step_loss(sharded.input_ids.to(dev), sharded.labels.to(dev),
+                         sharded.num_labels.to(dev), position_ids=sharded.position_ids.to(dev))
         loss.backward()
         if not args.fsdp:  # FSDP2 reduces during the backward (set_fsdp_gradient_divide_factor)
-            lc.reduce_gradients(model, mesh)   # sum over the sequence's ranks, mean over replicas
+            lc.reduce_gradients(step_loss, mesh)   # sum over the sequence's ranks, mean over replicas
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         reported = loss.detach().clone()
@@ -130,10 +132,16 @@ def train(model: torch.nn.Module, forward: Callable, args: argparse.Namespace) -
 
 def shard_with_fsdp2(model: torch.nn.Module, options: dict, mesh) -> torch.nn.Module:
     """LoongTrain's hybrid ZeRO: parameters, gradients and optimizer states sharded over all
-    dp x cp x hp ranks with FSDP2, each transformer block compiled with backend="loong".
+    dp x cp x hp ranks with FSDP2, each transformer block compiled with backend="loong", and
+    the LM head with the loss as one more compiled unit (so the head is chunked with the loss).
 
     Blocks are compiled one by one (as torchtitan does) so FSDP2's all-gather and
-    reduce-scatter hooks run between compiled graphs; the embedding and the head run eagerly.
+    reduce-scatter hooks run between compiled graphs; the embedding and the final norm run
+    eagerly.  The head moves out of the model into ``NextTokenLoss(head)`` (the model then
+    returns its final hidden states): a module FSDP2 shards on its own, whose compiled graph
+    holds the projection and the loss and no attention (hence
+    ``allow_graphs_without_attention``; it computes each token on its own).  Returns the
+    module ``(input_ids, labels, num_labels, position_ids=) -> loss``.
     FSDP2's reduce-scatter spans all ranks; ``set_fsdp_gradient_divide_factor`` makes it divide
     by dp instead of the world size, so gradients are summed over the ranks of a sequence and
     averaged over data-parallel replicas, as ``lc.reduce_gradients`` does without FSDP.
@@ -146,9 +154,39 @@ def shard_with_fsdp2(model: torch.nn.Module, options: dict, mesh) -> torch.nn.Mo
     for block in blocks:
         block.compile(backend="loong", options=options, fullgraph=True)
         fully_shard(block, mesh=world)
-    fully_shard(model, mesh=world)
-    lc.set_fsdp_gradient_divide_factor(model, mesh)
-    return model
+    head_loss = lc.NextTokenLoss(_take_head(model))
+    head_loss.compile(backend="loong", options={**options, "allow_graphs_without_attention": True},
+                      fullgraph=True)
+    fully_shard(head_loss, mesh=world)
+    step = _HiddenThenLoss(model, head_loss)
+    fully_shard(step, mesh=world)
+    lc.set_fsdp_gradient_divide_factor(step, mesh)
+    return step
+
+
+def _take_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The model's LM head (transformers' ``lm_head``, the example Llama's ``output``), replaced
+    in the model by the identity: the model then returns its final hidden states."""
+    name = "lm_head" if hasattr(model, "lm_head") else "output"
+    head = getattr(model, name)
+    embeddings = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    if any(head.weight is w for w in embeddings):
+        raise ValueError("a head tied to the embedding cannot be sharded apart from it; "
+                         "untie it or run without --fsdp")
+    setattr(model, name, torch.nn.Identity())
+    return head
+
+
+class _HiddenThenLoss(torch.nn.Module):
+    """The model (its head taken out), then the compiled head and loss."""
+
+    def __init__(self, model: torch.nn.Module, head_loss: torch.nn.Module):
+        super().__init__()
+        self.model, self.head_loss = model, head_loss
+
+    def forward(self, input_ids, labels, num_labels, **model_kwargs):
+        out = self.model(input_ids, **model_kwargs)
+        return self.head_loss(getattr(out, "logits", out), labels, num_labels)
 
 
 class _Progress:

@@ -33,6 +33,8 @@ _LAZY = {
     "gather_sequence": "loong_compile.parallel.tokens",
     "reduce_gradients": "loong_compile.parallel.gradients",
     "set_fsdp_gradient_divide_factor": "loong_compile.parallel.gradients",
+    "next_token_loss": "loong_compile.loss",
+    "NextTokenLoss": "loong_compile.loss",
 }
 
 
@@ -58,6 +60,6 @@ _register_backend_unless_installed()
 __all__ = [
     "GraphReport", "LoongBackend", "LoongConfig", "LoongConfigError", "LoongError",
     "LoongMeshError", "LoongRankMismatchError", "LoongShapeError", "LoongUnsupportedError",
-    "Report", "explain", "gather_sequence", "init_mesh", "loong_backend", "reduce_gradients",
-    "set_fsdp_gradient_divide_factor", "shard_batch",
+    "NextTokenLoss", "Report", "explain", "gather_sequence", "init_mesh", "loong_backend",
+    "next_token_loss", "reduce_gradients", "set_fsdp_gradient_divide_factor", "shard_batch",
 ]

@@ -185,7 +185,7 @@ class _GraphCompile:
         """Before the graph's first collective runs, all ranks confirm they compiled the same."""
         collectives = [_collective_signature(n) for n in self.gm.graph.nodes
                        if n.op == "call_function" and _is_loong_op(n.target)]
-        if not collectives:
+        if not collectives or self.mesh is None:  # a single process: no one to agree with
             return
         rank_check.check_agreement(
             "compile", rank_check.compile_fingerprint(self.config.to_dict(), self.gm, collectives),

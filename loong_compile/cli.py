@@ -59,6 +59,10 @@ def _list_of(parse_one):
     return parse
 
 
+def _chunk(text: str) -> int | str:
+    return "auto" if text.strip() == "auto" else _positive_int(text)
+
+
 def _zero_stage(text: str) -> int:
     if text.strip() not in ("0", "1", "2", "3"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a ZeRO stage (0, 1, 2 or 3)")
@@ -92,6 +96,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="sliding window in tokens on every layer (replaces the model's)")
     parser.add_argument("--doc-length", type=_positive_int, default=0,
                         help="mean length of the packed documents (default: one per sequence)")
+    parser.add_argument("--lm-head-chunk", type=_chunk, default="auto", metavar="TOKENS",
+                        help="tokens per chunk of the LM head and its loss, as the compiler's "
+                             "lm_head_chunk option (default: auto)")
+    parser.add_argument("--unchunked-lm-head", action="store_true",
+                        help="count the LM head's logits of every token (4D eq. 14: the logits "
+                             "are a graph output, or the lm_head_loss pass is disabled)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,8 +169,9 @@ def _memory_options(args, activations="none", alpha=1.0, zero=1, plan_defaults=F
 
     overrides = {name: getattr(args, name) for name in ("cuda_context_gib", "comm_buffers_gib", "fragmentation")
                  if getattr(args, name) is not None}
+    chunk = None if args.unchunked_lm_head or getattr(args, "paper_terms", False) else args.lm_head_chunk
     common = dict(activations=activations, alpha=alpha, zero=zero, dtype_bytes=args.dtype_bytes,
-                  usable_fraction=args.usable_fraction, **overrides)
+                  usable_fraction=args.usable_fraction, lm_head_chunk=chunk, **overrides)
     if plan_defaults:
         return MemoryOptions(**common) if args.paper_terms else MemoryOptions.loongtrain(**common)
     return MemoryOptions(exact=args.exact, double_ring_buffers=args.double_ring_buffers,
@@ -220,8 +231,11 @@ def run_estimate(args, console) -> int:
         from loong_compile.estimate.plot import plot_memory
         plot_memory(result, title, args.plot)
     if args.json:
+        from loong_compile.estimate.memory import lm_head_chunk
+
+        chunk = None if options.lm_head_chunk is None else lm_head_chunk(model, config, options)
         print(json.dumps({"model": model.as_dict(), "config": config.__dict__, "options": options.__dict__,
-                          **result.to_dict()}, indent=2))
+                          "lm_head_chunk_tokens": chunk, **result.to_dict()}, indent=2))
         return 0
     from rich.table import Table
 
@@ -241,6 +255,14 @@ def run_estimate(args, console) -> int:
         table.add_section()
         table.add_row(name, f"{gib:.2f}", result.sources[name] + " (host memory, not GPU)")
     console.print(table)
+    if options.lm_head_chunk is not None:
+        from loong_compile.estimate.memory import lm_head_chunk
+
+        console.print(f"LM head: chunked with the loss in the graph, C = "
+                      f"{lm_head_chunk(model, config, options)} tokens per chunk (lm_head_chunk="
+                      f"{options.lm_head_chunk}); --unchunked-lm-head counts every token's logits "
+                      "(4D eq. 14: logits returned by the compiled model)", highlight=False,
+                      soft_wrap=True)
     color = {"fits": "green", "near limit": "yellow", "exceeds": "red"}[result.verdict]
     console.print(f"capacity {result.capacity_gib:g} GiB, usable {result.limit_gib:.2f} GiB "
                   f"({result.usable_fraction:g}), headroom {result.headroom_gib:.2f} GiB: "

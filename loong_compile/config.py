@@ -54,6 +54,10 @@ class LoongConfig:
         own (e.g. a fused RMSNorm); any other custom op on token data is refused under hp*cp > 1.
     rank_check_timeout: seconds a rank waits for the others to confirm they compiled the same
         graph before its first collective (then it raises instead of hanging).
+    lm_head_chunk: tokens per chunk of the LM head and its loss when the loss is in the graph
+        (``passes/loss/lm_head.py``); ``"auto"``: as many as keep one chunk's float32 logits
+        within 128 MiB, a multiple of 64 (``estimate/lm_head.py::chunk_tokens``, which
+        ``loong estimate`` and ``loong plan`` use too).
     """
 
     hp: int = 1
@@ -74,6 +78,7 @@ class LoongConfig:
     allow_graphs_without_attention: bool = False
     token_local_ops: tuple[str, ...] = ()
     rank_check_timeout: float = 300.0
+    lm_head_chunk: int | str = "auto"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -141,6 +146,8 @@ def _coerce(key: str, value: Any, from_env: bool = False) -> Any:
         return value
     if key in ("hp", "cp", "inner_ring"):
         return _parse(key, value, int, "an integer >= 1")
+    if key == "lm_head_chunk":
+        return value if value == "auto" else _parse(key, value, int, '"auto" or an integer >= 1')
     if key == "resident_layers":
         return _parse(key, value, int, "an integer >= 0")
     if key in _MEASURED:
@@ -202,6 +209,10 @@ def _check(key: str, value: Any) -> None:
                 or (value == 0 and not low_ok) or value != value or value == float("inf")):
             raise bad(f'{key} must be "auto" or {_MEASURED[key]}',
                       f'pass {key}="auto" to measure it, or a finite number')
+    elif key == "lm_head_chunk":
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise bad('lm_head_chunk must be "auto" or a number of tokens >= 1',
+                      'pass lm_head_chunk="auto" or e.g. lm_head_chunk=1024')
     elif key == "resident_layers":
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise bad("resident_layers must be an integer >= 0",

@@ -6,6 +6,7 @@ subpackage             stage(s)                    what it does
 =====================  ==========================  =====================================
 ``attention``          dynamo                      attention calls -> 2D-Attention
 ``safety``             dynamo                      nothing else mixes a rank's tokens
+``loss``               dynamo                      the LM head and its loss, token-chunked
 ``activations``        joint, split                checkpoint / offload / token-slice
                                                    recompute (MEMO)
 ``schedule``           post_grad, schedule         when exchanges and host copies start
@@ -33,6 +34,7 @@ def library_passes() -> list:
     from loong_compile.passes.activations.offload import OffloadPass
     from loong_compile.passes.activations.recompute import TokenSliceRecomputePass
     from loong_compile.passes.attention.attention_2d import Attention2DPass
+    from loong_compile.passes.loss.lm_head import LMHeadLossPass
     from loong_compile.passes.memory_plan import MemoryPlanPass
     from loong_compile.passes.safety.token_locality import TokenLocalityPass
     from loong_compile.passes.schedule.comm_overlap import CommOverlapPass
@@ -43,6 +45,7 @@ def library_passes() -> list:
         # dynamo
         Attention2DPass(),
         TokenLocalityPass(),
+        LMHeadLossPass(),
         # joint, split
         SelectiveCheckpointPass(),
         ActivationsPass(),

@@ -28,7 +28,8 @@ def test_estimate_prints_the_breakdown(capsys):
 
 def test_estimate_json_matches_the_paper_cell(capsys):
     code, out, _ = run(capsys, "estimate", "--model", "llama3.1-8b", "--seq", "8K", "--gpus", "16",
-                       "--tp", "2", "--cp", "2", "--pp", "4", "--capacity-gib", "40", "--json")
+                       "--tp", "2", "--cp", "2", "--pp", "4", "--capacity-gib", "40", "--json",
+                       "--unchunked-lm-head")
     data = json.loads(out)
     assert code == 0 and data["estimate_gib"] == pytest.approx(23.19, abs=0.01)   # Table 2
     assert data["config"]["dp"] == 1 and data["verdict"] == "fits"
@@ -160,3 +161,19 @@ def test_estimator_and_cli_import_without_torch():
             "sys.exit(main(['plan', '--model', '7b-gqa', '--seq', '128K', '--gpus', '8', '--gpu', 'a100', '--json']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_estimate_counts_the_lm_head_chunked_unless_asked(capsys):
+    """Issue 22: the LM head term as the compiler keeps it (chunked, loss in the graph), its
+    chunk and source in the output; --unchunked-lm-head gives eq. 14's logits."""
+    args = ("estimate", "--model", "llama3.1-8b", "--seq", "1M", "--gpus", "8", "--hp", "8",
+            "--zero", "3", "--gpu", "h100")
+    code, out, _ = run(capsys, *args)
+    assert code == 0 and "C = 256 tokens per chunk" in out and "estimate/lm_head.py" in out
+    chunked = json.loads(run(capsys, *args, "--json")[1])
+    unchunked = json.loads(run(capsys, *args, "--json", "--unchunked-lm-head")[1])
+    assert chunked["lm_head_chunk_tokens"] == 256 and unchunked["lm_head_chunk_tokens"] is None
+    head = "activations: LM head"
+    assert unchunked["terms_gib"][head] == pytest.approx(64.62, abs=0.01)      # eq. 14
+    assert chunked["terms_gib"][head] == pytest.approx(3.14, abs=0.01)
+    assert "chunked" in chunked["sources"][head] and "eq. 14" in unchunked["sources"][head]

@@ -9,7 +9,7 @@ GOOD = {
     "alpha": 0.25, "host_bandwidth": 12e9, "host_memory": 64 * 2**30, "layer_time": 0.004,
     "resident_layers": 0, "memory_plan": True, "solver_time_limit": 3.5, "dump_dir": "out/",
     "disable_passes": ("attention_2d",), "lowering": "aot_eager", "allow_graphs_without_attention": True,
-    "token_local_ops": ("liger::rms_norm",), "rank_check_timeout": 30.0,
+    "token_local_ops": ("liger::rms_norm",), "rank_check_timeout": 30.0, "lm_head_chunk": 512,
 }
 
 BAD = {
@@ -31,6 +31,7 @@ BAD = {
     "allow_graphs_without_attention": [0, "true"],
     "token_local_ops": [["rms_norm"], [3]],
     "rank_check_timeout": [0, -1, "soon"],
+    "lm_head_chunk": [0, -4, "big", 1.5, True, None],
 }
 
 
@@ -98,7 +99,7 @@ ENV = {
     "LOONG_SOLVER_TIME_LIMIT": "2", "LOONG_DUMP_DIR": "/tmp/d", "LOONG_DISABLE_PASSES": "a,b",
     "LOONG_LOWERING": "eager", "LOONG_ALLOW_GRAPHS_WITHOUT_ATTENTION": "1",
     "LOONG_TOKEN_LOCAL_OPS": "liger::rms_norm", "LOONG_RANK_CHECK_TIMEOUT": "20",
-    "PATH": "/bin",
+    "LOONG_LM_HEAD_CHUNK": "256", "PATH": "/bin",
 }
 
 
@@ -109,7 +110,8 @@ def test_environment_sets_every_key():
                               host_memory=1e9, layer_time="auto", resident_layers=1, memory_plan=True,
                               solver_time_limit=2.0, dump_dir="/tmp/d", disable_passes=("a", "b"),
                               lowering="eager", allow_graphs_without_attention=True,
-                              token_local_ops=("liger::rms_norm",), rank_check_timeout=20.0)
+                              token_local_ops=("liger::rms_norm",), rank_check_timeout=20.0,
+                              lm_head_chunk=256)
     assert {f"LOONG_{f.name.upper()}" for f in dataclasses.fields(LoongConfig)} <= set(ENV)
 
 

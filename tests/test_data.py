@@ -99,10 +99,23 @@ def test_shard_batch_outputs_have_one_memory_layout_on_every_rank(batch):
         mesh = LoongMesh(1, 2, 2, 1, "head_first", rank, layout, None, {}, {})
         packed = shard_batch(ids, ids, mesh, cu_seqlens=torch.tensor([0, 5, 32]),
                              attention_mask=torch.ones_like(ids))
-        for t in (*shard_batch(ids, ids, mesh)[:3], *packed):
+        for t in (*shard_batch(ids, ids, mesh)[:3], *packed[:4]):
             assert t.is_contiguous() and t.storage_offset() == 0, (rank, t.stride(), t.storage_offset())
             seen.add((t.shape, t.stride()))
     assert len(seen) == 1
+
+
+def test_num_labels_counts_the_whole_batch_on_every_rank():
+    """What each rank divides its summed loss by (issue 22): the shifted labels of the whole
+    batch that are not -100, one 0-dim tensor, the same on every rank."""
+    layout = rank_layout(1, 2, 2, "head_first")
+    ids = torch.arange(2 * 32).reshape(2, 32)
+    labels = ids.masked_fill(ids % 5 == 0, -100)
+    want = int((torch.cat([labels[:, 1:], torch.full((2, 1), -100)], 1) != -100).sum())
+    for rank in range(4):
+        mesh = LoongMesh(1, 2, 2, 1, "head_first", rank, layout, None, {}, {})
+        num = shard_batch(ids, labels, mesh).num_labels
+        assert num.dim() == 0 and num.dtype == torch.int64 and int(num) == want < 2 * 31
 
 
 def _four_rank_meshes():

@@ -1,4 +1,5 @@
-"""The estimator's activation terms agree with what the compiled graph really saves (issue 7, item 5).
+"""The estimator agrees with what the compiled graph really saves: the activation terms (issue 7,
+item 5) and the chunked LM head (issue 22).
 
 For the example Llama on CPU, the bytes the ``activations`` / ``offload`` passes report
 for a transformer layer (not the last, which also keeps the final norm's input) must
@@ -7,6 +8,8 @@ the category, both numbers, and the estimator term whose size matches the gap.
 """
 
 from __future__ import annotations
+
+import operator
 
 import pytest
 import torch
@@ -63,3 +66,46 @@ def test_estimator_agrees_with_compiled_saved_bytes(policy, alpha):
     else:
         problems += disagreement("saved", saved, estimate.by_category("saved"), estimate)
     assert not problems, "\n".join(problems)
+
+
+def test_estimator_lm_head_term_equals_what_the_compiled_graph_keeps():
+    """Issue 22: the chunked LM head term of ``loong estimate`` is what the compiled step keeps
+    from its forward to its backward for the head (the values the partition saves that the
+    chunked op produced) plus what the op needs while it runs (its measured peak above what
+    it returns), for the example Llama with the loss in the graph, float32."""
+    from helpers import Probe
+
+    from loong_compile import _compat
+    from loong_compile.estimate.memory import MemoryOptions, ParallelConfig, estimate_memory
+    from loong_compile.passes import library_passes
+    from loong_compile.passes.fx_util import base_of, nbytes
+
+    chunk = 16
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    probe, reports = Probe(), []
+    backend = lc.LoongBackend({"lowering": "aot_eager", "lm_head_chunk": chunk},
+                              passes=library_passes() + [probe], on_report=reports.append)
+    model = Llama(CFG)
+    step = torch.compile(lc.NextTokenLoss(model), backend=backend, fullgraph=True)
+    step(ids, ids, torch.tensor(ids.numel()))
+    (head,) = reports[-1].summary("lm_head_loss")["changed"]
+    assert head["chunk"] == chunk and head["chunks"] == BATCH * SEQ // chunk
+    (split,) = probe.graphs
+    op = torch.ops.loong.lm_head_loss.default
+    kept = sum(nbytes(v) for v in {base_of(v) for v in split.saved_values()}
+               if v.op == "call_function" and v.target is operator.getitem and v.args[0].target is op)
+
+    hidden = torch.randn(BATCH * SEQ, CFG.dim)
+    returned = hidden.numel() * FP32 + model.output.weight.numel() * FP32
+    _, peak = _compat.measure_peak_bytes(lambda: op(
+        hidden, model.output.weight, None, ids.flatten(), -100, chunk, 1.0, False, 1.0,
+        torch.float32, True))
+    working = peak - returned
+
+    estimate = estimate_memory(SPEC, ParallelConfig(seq=SEQ, micro_batch=BATCH),
+                               MemoryOptions(dtype_bytes=FP32, lm_head_chunk=chunk))
+    term = estimate.terms["activations: LM head"] * 2 ** 30
+    assert kept == returned, (kept, returned)                    # dL/dhidden and dL/dW, fp32
+    assert abs(term - (kept + working)) <= 0.02 * term, (term, kept, working)
+    assert working < 0.2 * BATCH * SEQ * CFG.vocab_size * FP32        # one chunk, not the logits

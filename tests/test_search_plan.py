@@ -1,6 +1,7 @@
 """Configuration search: enumeration, pruning with reasons, ranking, the recommended options."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -130,3 +131,22 @@ def test_longest_sequence_honours_the_multiple_and_reports_none_that_fit():
     assert rounded.seq % 1024 == 0 and exact.seq - 1024 < rounded.seq <= exact.seq
     nothing = longest_sequence(LLAMA31_8B, 8, dataclasses.replace(H100, memory_gib=4))
     assert nothing.seq == 0 and nothing.plan is None and all(m.longest == 0 for m in nothing.meshes)
+
+
+@pytest.mark.parametrize("model,gpus", [("llama3.1-8b", 8), ("llama3.1-70b", 32)])
+def test_one_million_tokens_fit_with_the_lm_head_chunked(model, gpus, capsys):
+    """Issue 22: with the LM head and its loss chunked (what the compiler runs when the loss is
+    in the graph) both models fit 1M tokens on H100s; counting every token's logits (4D eq. 14,
+    ``--unchunked-lm-head``), nothing does: the head was what did not fit."""
+    from loong_compile.cli import main
+
+    assert main(["plan", "--model", model, "--seq", "1M", "--gpus", str(gpus), "--gpu", "h100",
+                 "--json", "--top", "3"]) == 0
+    chunked = json.loads(capsys.readouterr().out)
+    assert chunked["ranked"], chunked["pruned_reasons"]
+    for c in chunked["ranked"]:
+        assert c["memory"]["verdict"] == "fits"
+        assert c["memory"]["terms_gib"]["activations: LM head"] < 5
+    unchunked = plan(load_model(model), 2 ** 20, gpus, H100,
+                     memory_options=MemoryOptions.loongtrain(lm_head_chunk=None))
+    assert not unchunked.ranked

@@ -33,6 +33,11 @@ HABITS_SAMPLED = ("use_cache_false", "grad_ckpt", "padding", "packed", "packed_u
                   "bf16", "no_shard_batch")
 SAMPLED_ARCHS = ("llama", "qwen2", "gemma3", "gpt2")
 LONG_WINDOW_ARCHS = ("mistral", "gemma3", "qwen3")
+# The loss inside the compiled function (issue 22: the LM head is chunked with it, in chunks of
+# LM_HEAD_CHUNK tokens): transformers' own loss (labels=, shift_labels=, num_items_in_batch=),
+# with key padding, and loong_compile.NextTokenLoss on a head tied to the embedding.  Gemma3 gets
+# a final-logit softcap small enough to bend these logits.
+LM_HEAD_CHUNK, SOFTCAP = 8, 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +51,11 @@ class Case:
     def name(self) -> str:
         window = f"-w{self.window}" if self.window else ""
         return f"{self.arch}-{self.attn}{window}-{self.habit}"
+
+
+LOSS_IN_GRAPH_CASES = [Case("llama", habit="loss_in_graph"), Case("gemma3", habit="loss_in_graph"),
+                       Case("qwen2", habit="loss_in_graph_padding"),
+                       Case("llama", habit="loss_in_graph_tied")]
 
 
 def all_cases() -> list[Case]:
@@ -89,9 +99,17 @@ def padding_mask() -> torch.Tensor:
 
 def _model_for(case: Case) -> torch.nn.Module:
     dtype = torch.bfloat16 if case.habit == "bf16" else torch.float64
-    model = build(case.arch, case.attn, case.window, dtype)
+    model = _loss_in_graph_setup(case, build(case.arch, case.attn, case.window, dtype))
     if case.habit == "grad_ckpt":
         model.gradient_checkpointing_enable()
+    return model
+
+
+def _loss_in_graph_setup(case: Case, model: torch.nn.Module) -> torch.nn.Module:
+    if case.habit.startswith("loss_in_graph") and case.arch == "gemma3":
+        model.config.final_logit_softcapping = SOFTCAP
+    if case.habit == "loss_in_graph_tied":
+        model.lm_head.weight = model.get_input_embeddings().weight
     return model
 
 
@@ -110,7 +128,7 @@ def _label_count() -> int:
 
 def reference(case: Case, dtype: torch.dtype = torch.float64) -> tuple[float, dict]:
     """One process, full sequence (float64 unless asked): the loss and gradients the user meant."""
-    model = build(case.arch, case.attn, case.window, dtype)
+    model = _loss_in_graph_setup(case, build(case.arch, case.attn, case.window, dtype))
     ids = token_ids()
     labels = _shifted(ids)
     kwargs = {"position_ids": torch.arange(SEQ).expand(BATCH, -1)}
@@ -118,11 +136,12 @@ def reference(case: Case, dtype: torch.dtype = torch.float64) -> tuple[float, di
         kwargs["position_ids"] = packed_positions()
     if case.habit.endswith("use_cache_false"):
         kwargs["use_cache"] = False
-    if case.habit == "padding":
+    if case.habit.endswith("padding"):
         kwargs["attention_mask"] = padding_mask()
         labels = labels.masked_fill(_shifted(padding_mask()) == 0, -100)
-    if case.habit in ("labels", "shift_labels"):
-        loss = model(ids, labels=ids, **kwargs).loss
+    if case.habit in ("labels", "shift_labels", "loss_in_graph", "loss_in_graph_padding"):
+        unshifted = ids.masked_fill(padding_mask() == 0, -100) if "padding" in case.habit else ids
+        loss = model(ids, labels=unshifted, **kwargs).loss
     else:
         count = int((labels != -100).sum())
         loss = _summed_loss(model(ids, **kwargs).logits, labels, count)
@@ -148,7 +167,8 @@ def tolerance(case: Case) -> float:
     bf16 error against float64."""
     if case.habit == "bf16":
         return 2 * relative_error(reference(case, torch.bfloat16), reference(case))
-    if case.arch in FLOAT32_INSIDE or case.habit in ("labels", "shift_labels"):
+    if case.arch in FLOAT32_INSIDE or case.habit in ("labels", "shift_labels", "loss_in_graph",
+                                                      "loss_in_graph_padding"):
         return 1e-5
     return 1e-9
 
@@ -158,6 +178,9 @@ def _distributed_step(case: Case, hp: int, cp: int):
 
     import loong_compile as lc
     from loong_compile.parallel.tokens import mesh_token_indices
+
+    if case.habit.startswith("loss_in_graph"):
+        return loss_in_graph_step(case, hp, cp, "aot_eager")[:2]
 
     mesh = lc.init_mesh(hp=hp, cp=cp)
     model = _model_for(case)
@@ -200,6 +223,48 @@ def _distributed_step(case: Case, hp: int, cp: int):
             dist.all_reduce(grad)
             grads[name] = grad
     return loss.item(), grads
+
+
+def loss_in_graph_step(case: Case, hp: int, cp: int, lowering: str):
+    """One training step with the loss inside the compiled function: (loss, gradients, both
+    summed over the ranks, and this rank's ``lm_head_loss`` report)."""
+    import torch.distributed as dist
+
+    import loong_compile as lc
+    from loong_compile.parallel.tokens import mesh_token_indices
+
+    mesh = lc.init_mesh(hp=hp, cp=cp)
+    model = _model_for(case)
+    ids = token_ids()
+    batch = lc.shard_batch(ids, ids, mesh)
+    labels, count, kwargs = batch.labels, batch.num_labels, {"position_ids": batch.position_ids}
+    if case.habit.endswith("padding"):
+        index = mesh_token_indices(SEQ, mesh)
+        kwargs["attention_mask"] = padding_mask()[:, index].contiguous()
+        labels = labels.masked_fill(_shifted(padding_mask())[:, index] == 0, -100)
+        count = (_shifted(ids).masked_fill(_shifted(padding_mask()) == 0, -100) != -100).sum()
+    if case.habit == "loss_in_graph_tied":
+        step = lc.NextTokenLoss(model)
+    else:
+        def step(ids, labels, count, **kwargs):
+            return model(ids, labels=labels, shift_labels=labels, num_items_in_batch=count,
+                         **kwargs).loss
+    reports = []
+    options = {"hp": hp, "cp": cp, "lowering": lowering, "rank_check_timeout": 60,
+               "lm_head_chunk": LM_HEAD_CHUNK}
+    compiled = torch.compile(step, backend=lc.LoongBackend(options, on_report=reports.append),
+                             fullgraph=True)
+    loss = compiled(batch.input_ids, labels, count, **kwargs)
+    loss.backward()
+    loss = loss.detach().double()
+    dist.all_reduce(loss)
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            grad = p.grad.double()
+            dist.all_reduce(grad)
+            grads[name] = grad
+    return loss.item(), grads, reports[-1].summary("lm_head_loss")
 
 
 def run_cases(rank: int, world: int, hp: int, cp: int, cases: list[Case]) -> dict:

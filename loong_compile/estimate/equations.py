@@ -17,6 +17,7 @@ import dataclasses
 
 import sympy as sp
 
+from loong_compile.estimate import lm_head
 from loong_compile.parallel.rules import ESTIMATED_POLICIES
 
 POLICIES = ESTIMATED_POLICIES
@@ -38,8 +39,11 @@ hd = sp.Symbol("d_head", positive=True, integer=True)
 psi_t, psi_r = sp.symbols("psi_t psi_r", positive=True)
 tied = sp.Symbol("e_tied", nonnegative=True, integer=True)
 n_exp = sp.Symbol("E", nonnegative=True, integer=True)
+# Tokens per chunk of the LM head and its loss when the compiler chunks them (the value comes
+# from estimate/lm_head.py::chunk_tokens, the rule the compiler applies).
+chunk = sp.Symbol("C", positive=True, integer=True)
 SYMBOLS = (h, a, k, f, L, v, s, b, d, t, p, c, hp, stage, beta, alpha, n_ring_buffers, hd, psi_t, psi_r,
-           tied, n_exp)
+           tied, n_exp, chunk)
 
 FIRST_STAGE = sp.KroneckerDelta(stage, 0)
 LAST_STAGE = sp.KroneckerDelta(stage, p - 1)   # at stage 0 this is the paper's delta_{p,1}
@@ -184,8 +188,10 @@ def _bytes(tensors) -> sp.Expr:
 HELD_LAYERS = (L / p) * (p - stage)
 
 
-def activation_terms(policy: str, exact: bool, working_set: bool, memo_alpha_zero: bool) -> list[Term]:
-    """Transformer-layer activations under ``policy`` plus the embedding / LM-head terms."""
+def activation_terms(policy: str, exact: bool, working_set: bool, memo_alpha_zero: bool,
+                     lm_head_chunked: bool = False) -> list[Term]:
+    """Transformer-layer activations under ``policy`` plus the embedding / LM-head terms (the
+    LM head as eq. 14 counts it, or as the compiler's token-chunked op keeps it)."""
     counted = counted_tensors(policy, exact)
     stored = stored_tensors(policy, exact)
     recomputed = [x for x in counted if x not in stored]
@@ -211,9 +217,22 @@ def activation_terms(policy: str, exact: bool, working_set: bool, memo_alpha_zer
     tokens = LOCAL_TOKENS / t
     terms.append(Term("activations: embedding", "activations", FIRST_STAGE * 8 * tokens * h * p,
                       "4D eq. 13 (as printed: 8sbhp)"))
-    terms.append(Term("activations: LM head", "activations", LAST_STAGE * 4 * tokens * h * (1 + v / h),
+    terms.append(LM_HEAD_CHUNKED if lm_head_chunked else
+                 Term("activations: LM head", "activations", LAST_STAGE * 4 * tokens * h * (1 + v / h),
                       "4D eq. 14 (delta_{p,1} in eq. 16)"))
     return terms
+
+
+# The LM head and its loss as the compiler runs them when the loss is in the graph
+# (passes/loss/lm_head.py): the gradients of the hidden states and of the head's weight are kept
+# from the forward to the backward, and one chunk of C tokens' logits exists at a time.
+_HEAD_TOKENS = LOCAL_TOKENS / t
+LM_HEAD_CHUNKED = Term(
+    "activations: LM head", "activations",
+    LAST_STAGE * (lm_head.kept_bytes(_HEAD_TOKENS, h, v / t, beta)
+                  + lm_head.working_bytes(chunk, v / t, beta)),
+    "chunked, loss in the graph: dL/dhidden + dL/dW kept, one chunk of C tokens "
+    "(estimate/lm_head.py)")
 
 
 # What 2D-Attention moves, from the same tensors (after the SeqAlltoAll a GPU holds its K and
@@ -232,10 +251,11 @@ RING_BUFFER_TERM = Term("Double-Ring KV buffers", "buffers", n_ring_buffers * KV
 
 
 def all_terms(zero: int, policy: str, exact: bool, working_set: bool, alpha_zero: bool,
-              ring_buffers: bool) -> list[Term]:
+              ring_buffers: bool, lm_head_chunked: bool = False) -> list[Term]:
     """Every term for these switches (see ``MemoryOptions``), symbolic in ``SYMBOLS``."""
     terms = model_state_terms(zero)
-    terms += activation_terms(policy, exact, working_set, memo_alpha_zero=alpha_zero)
+    terms += activation_terms(policy, exact, working_set, memo_alpha_zero=alpha_zero,
+                              lm_head_chunked=lm_head_chunked)
     if ring_buffers:
         terms.append(RING_BUFFER_TERM)
     return terms

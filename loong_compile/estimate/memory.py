@@ -20,6 +20,7 @@ from loong_compile.estimate.equations import (
     ALLTOALL_HELD_BYTES, CATEGORIES, KV_CHUNK_BYTES, LOCAL_TOKENS, POLICIES, SYMBOLS, Term, _bytes,
     all_terms, alpha, counted_tensors, n_ring_buffers, stored_tensors,
 )
+from loong_compile.estimate.lm_head import chunk_tokens
 from loong_compile.estimate.models import ModelSpec
 from loong_compile.parallel.rules import Violation, head_violation, inner_ring_violation, sequence_violation
 
@@ -102,6 +103,9 @@ class MemoryOptions:
     cuda_context_gib, comm_buffers_gib, fragmentation: overheads, reported apart; fragmentation
         is a fraction of the terms' total.
     usable_fraction: the 80% rule (the paper: estimates <= 80% of capacity never ran out).
+    lm_head_chunk: None: the LM head's activations as eq. 14 counts them (the logits of every
+        token); ``"auto"`` or a number of tokens: as the compiler keeps them when the loss is in
+        the graph, chunked (``estimate/lm_head.py``, the rule the compiler uses).
     """
 
     activations: str = "none"
@@ -115,6 +119,7 @@ class MemoryOptions:
     comm_buffers_gib: float = 0.0
     fragmentation: float = 0.0
     usable_fraction: float = 0.8
+    lm_head_chunk: int | str | None = None
 
     def __post_init__(self) -> None:
         def bad(name, rule, fix):
@@ -137,12 +142,19 @@ class MemoryOptions:
         if isinstance(self.usable_fraction, bool) or not isinstance(self.usable_fraction, (int, float)) \
                 or not 0 < self.usable_fraction <= 1:
             raise bad("usable_fraction", "usable_fraction must be in (0, 1]", "pass 0.8 (the paper's rule)")
+        if self.lm_head_chunk not in (None, "auto") and (
+                isinstance(self.lm_head_chunk, bool) or not isinstance(self.lm_head_chunk, int)
+                or self.lm_head_chunk < 1):
+            raise bad("lm_head_chunk", 'lm_head_chunk is None (unchunked), "auto" or tokens >= 1',
+                      'pass lm_head_chunk="auto"')
 
     @classmethod
     def loongtrain(cls, **changes) -> MemoryOptions:
         """The settings ``loong plan`` uses: every tensor counted, the Double-Ring's buffers,
-        and typical overheads (0.5 GiB CUDA context, 0.5 GiB NCCL buffers)."""
-        base = dict(exact=True, double_ring_buffers=True, cuda_context_gib=0.5, comm_buffers_gib=0.5)
+        the LM head chunked as the compiler runs it (the loss in the graph), and typical
+        overheads (0.5 GiB CUDA context, 0.5 GiB NCCL buffers)."""
+        base = dict(exact=True, double_ring_buffers=True, cuda_context_gib=0.5, comm_buffers_gib=0.5,
+                    lm_head_chunk="auto")
         return cls(**{**base, **changes})
 
 
@@ -199,7 +211,7 @@ class MemoryBreakdown:
 def memory_terms(options: MemoryOptions) -> list[Term]:
     """All terms for these switches (symbolic; see ``SYMBOLS``)."""
     return all_terms(options.zero, options.activations, options.exact, options.recompute_working_set,
-                     options.alpha == 0, options.double_ring_buffers)
+                     options.alpha == 0, options.double_ring_buffers, options.lm_head_chunk is not None)
 
 
 @functools.lru_cache(maxsize=256)
@@ -211,9 +223,9 @@ def _lambdified(expr: sp.Expr) -> Callable[..., float]:
 
 @functools.lru_cache(maxsize=64)
 def _compiled(zero: int, policy: str, exact: bool, working_set: bool, alpha_zero: bool,
-              ring: bool) -> tuple[tuple[Term, Callable[..., float]], ...]:
+              ring: bool, chunked: bool) -> tuple[tuple[Term, Callable[..., float]], ...]:
     return tuple((term, _lambdified(term.expr))
-                 for term in all_terms(zero, policy, exact, working_set, alpha_zero, ring))
+                 for term in all_terms(zero, policy, exact, working_set, alpha_zero, ring, chunked))
 
 
 def ring_buffer_count(config: ParallelConfig) -> int:
@@ -227,7 +239,16 @@ def symbol_values(model: ModelSpec, config: ParallelConfig, options: MemoryOptio
             config.seq, config.micro_batch, config.dp, config.tp, config.pp, config.cp, config.hp,
             config.stage, options.dtype_bytes, options.alpha, ring_buffer_count(config), model.head_dim,
             model.layer_matmul_params, model.norm_params, int(model.tied_embeddings),
-            model.experts * model.moe_layers / model.layers)
+            model.experts * model.moe_layers / model.layers, lm_head_chunk(model, config, options))
+
+
+def lm_head_chunk(model: ModelSpec, config: ParallelConfig, options: MemoryOptions) -> int:
+    """Tokens per chunk of the LM head, as the compiler picks them for one GPU's tokens (1 when
+    the estimate counts the head unchunked: the symbol is then unused)."""
+    if options.lm_head_chunk is None:
+        return 1
+    tokens = config.micro_batch * config.seq // (config.cp * config.hp * config.tp)
+    return chunk_tokens(tokens, model.vocab // config.tp, options.lm_head_chunk)
 
 
 def estimate_memory(model: ModelSpec, config: ParallelConfig, options: MemoryOptions = MemoryOptions(),
@@ -238,7 +259,7 @@ def estimate_memory(model: ModelSpec, config: ParallelConfig, options: MemoryOpt
         raise LoongConfigError(f"capacity_gib={capacity_gib!r}", "GPU capacity must be > 0 GiB",
                                "pass the GPU's memory in GiB, e.g. 80")
     compiled = _compiled(options.zero, options.activations, options.exact, options.recompute_working_set,
-                         options.alpha == 0, options.double_ring_buffers)
+                         options.alpha == 0, options.double_ring_buffers, options.lm_head_chunk is not None)
     values = symbol_values(model, config, options)
     terms, host, sources = {}, {}, {}
     for term, fn in compiled:

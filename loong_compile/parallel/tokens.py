@@ -73,12 +73,15 @@ def layout_positions(local_len: int, mesh, rank: int | None = None) -> torch.Ten
 
 class ShardedBatch(NamedTuple):
     """This rank's tokens: ``(B, S/sp)`` input ids, position ids, shifted labels and, when one
-    was given, the key-padding ``attention_mask``."""
+    was given, the key-padding ``attention_mask``; ``num_labels``: how many of the whole
+    batch's shifted labels are not ``-100`` (a 0-dim int64 tensor, the same on every rank of
+    the sequence: what a rank's summed loss is divided by, ``loong_compile.next_token_loss``)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     labels: torch.Tensor | None
     attention_mask: torch.Tensor | None = None
+    num_labels: torch.Tensor | None = None
 
 
 def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, mesh, *,
@@ -121,12 +124,13 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, mesh, *,
         position_ids = index.repeat(batch, 1)
     else:
         position_ids = packed_positions(starts)[:, index]
-    shifted = None
+    shifted = num_labels = None
     if labels is not None:
         pad = labels.new_full((batch, 1), IGNORE_INDEX)
-        shifted = torch.cat([labels[:, 1:], pad], dim=1)[:, index]
+        full = torch.cat([labels[:, 1:], pad], dim=1)
+        shifted, num_labels = full[:, index], (full != IGNORE_INDEX).sum()
     mask = None if attention_mask is None else attention_mask[:, index]
-    return ShardedBatch(input_ids[:, index], position_ids, shifted, mask)
+    return ShardedBatch(input_ids[:, index], position_ids, shifted, mask, num_labels)
 
 
 def _check_same_shape(name: str, tensor: torch.Tensor | None, input_ids: torch.Tensor,
