@@ -302,4 +302,4 @@ def test_backend_string_works_without_import_and_emits_trace_artifacts(tmp_path)
     assert out.returncode == 0, out.stderr
     assert "OK" in out.stdout
     logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
-    assert '"name": "loong_dynamo"' in logs and '"name": "loong_report"' in logs
+    assert '"name": "loong_dynamo' in logs and '"name": "loong_report"' in logs  # dynamo_before/after

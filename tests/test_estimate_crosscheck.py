@@ -75,7 +75,7 @@ def test_estimator_lm_head_term_equals_what_the_compiled_graph_keeps():
     it returns), for the example Llama with the loss in the graph, float32."""
     from helpers import Probe
 
-    from loong_compile import _compat
+    from loong_compile.report.allocator import measure_peak_bytes
     from loong_compile.estimate.memory import MemoryOptions, ParallelConfig, estimate_memory
     from loong_compile.passes import library_passes
     from loong_compile.passes.fx_util import base_of, nbytes
@@ -98,7 +98,7 @@ def test_estimator_lm_head_term_equals_what_the_compiled_graph_keeps():
 
     hidden = torch.randn(BATCH * SEQ, CFG.dim)
     returned = hidden.numel() * FP32 + model.output.weight.numel() * FP32
-    _, peak = _compat.measure_peak_bytes(lambda: op(
+    _, peak = measure_peak_bytes(lambda: op(
         hidden, model.output.weight, None, ids.flatten(), -100, chunk, 1.0, False, 1.0,
         torch.float32, True))
     working = peak - returned
