@@ -1,5 +1,7 @@
 """passes/attention/attention_2d.py on Dynamo graphs of small attention functions (no process group needed)."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -212,7 +214,7 @@ def test_a_window_the_local_length_cannot_show_comes_from_the_module(window, app
 
     module = Windowed(window)
     gm = dynamo_graph(module, *qkv(kv_heads=H))  # S=8 per rank, 32 over hp*cp=4 ranks
-    monkeypatch.setattr(model_facts, "compiled_module", lambda: module)
+    monkeypatch.setattr(model_facts, "compiled_module", lambda gm: module)
     if applied == "refused":  # transformers builds a mask whenever the window fits the rank
         with pytest.raises(LoongTokenMixingError, match=f"sliding_window={window}.*shorter than "
                                                         "this rank's 8 tokens"):
@@ -222,6 +224,63 @@ def test_a_window_the_local_length_cannot_show_comes_from_the_module(window, app
     (call,) = calls(gm, attention_2d)
     assert call.kwargs.get("window") == applied
     assert summary["changed"][0]["window_from"] == (None if applied is None else "module")
+
+
+def _args_only(forward):
+    """A decorator that takes the call as ``*args`` (as transformers 5.24's ``deprecate_kwarg``
+    does): Dynamo's frame then holds the model as ``args[0]``, and has no ``self``."""
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        return forward(*args, **kwargs)
+    return wrapped
+
+
+class WrappedModel(torch.nn.Module):
+    def __init__(self, window):
+        super().__init__()
+        self.block = torch.nn.ModuleList([Windowed(window)])
+
+    @_args_only
+    def forward(self, q, k, v):
+        return self.block[0](q, k, v)
+
+
+GLOBAL_MODEL = WrappedModel(20)
+
+
+@pytest.mark.parametrize("how", ["wrapped_forward", "global_in_step", "local_in_step"])
+def test_the_attention_module_is_found_however_the_model_is_reached(how):
+    """transformers 5.24 wraps ``forward``: a window read only from ``L['self']`` was lost and
+    Qwen2/Mistral windows ran as full causal attention (the trust matrix's windowed cases)."""
+    from loong_compile.passes.attention import model_facts
+
+    found = []
+
+    def backend(gm, example_inputs):
+        root = model_facts.compiled_module(gm)
+        (node,) = [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention]
+        found.append((root, model_facts.module_of(root, node)))
+        return gm.forward
+
+    local_model = WrappedModel(20)
+    model, fn = {"wrapped_forward": (GLOBAL_MODEL, GLOBAL_MODEL),
+                 "global_in_step": (GLOBAL_MODEL, lambda q, k, v: GLOBAL_MODEL(q, k, v)),
+                 "local_in_step": (local_model, lambda q, k, v: local_model(q, k, v))}[how]
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*qkv(kv_heads=H))
+    ((root, attention),) = found
+    assert root is model and attention is model.block[0]
+    assert model_facts.sliding_window(attention, root) == 20
+
+
+def test_an_attention_module_that_cannot_be_found_is_refused_not_taken_as_windowless(monkeypatch):
+    from loong_compile.errors import LoongTokenMixingError
+    from loong_compile.passes.attention import model_facts
+
+    gm = dynamo_graph(WrappedModel(20), *qkv(kv_heads=H))  # path L['args'][0].block.0
+    monkeypatch.setattr(model_facts, "compiled_module", lambda gm: None)  # outside the frame
+    with pytest.raises(LoongTokenMixingError, match="cannot find.*sliding window"):
+        run_pass(gm)
 
 
 class WindowedMask(torch.nn.Module):
@@ -249,7 +308,7 @@ def test_sliding_window_masks_take_the_window_of_the_mask_or_the_module(
     module = WindowedMask(window)
     gm = dynamo_graph(module, *qkv(kv_heads=H), POSITIONS)
     module.sliding_window = declared
-    monkeypatch.setattr(model_facts, "compiled_module", lambda: module)
+    monkeypatch.setattr(model_facts, "compiled_module", lambda gm: module)
     if applied == "refused":
         with pytest.raises(LoongTokenMixingError, match="sliding_window=6.*the mask's window is 5"):
             run_pass(gm)

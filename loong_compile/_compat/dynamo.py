@@ -3,6 +3,8 @@ from (backend, passes/attention/model_facts.py, checks/inputs.py)."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 
@@ -17,22 +19,60 @@ def register_dynamo_backend(name: str, compiler_fn) -> None:
         registry.register_backend(compiler_fn=compiler_fn, name=name)
 
 
+# The root of a Dynamo source path: a local or a global, then indices or keys
+# (``L['self']``, ``L['args'][0]``, ``G['model']``), before the module attributes.
+_SOURCE_ROOT = re.compile(r"^([LG])\['([^']*)'\]")
+_SOURCE_INDEX = re.compile(r"\[(\d+)\]|\['([^']*)'\]")
+
+
+def _current_frame():
+    """Dynamo's instruction translator of the frame being compiled, or None."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx()
+    except (ImportError, AttributeError, AssertionError, IndexError):
+        return None
+
+
 def dynamo_frame_self():
     """The ``self`` of the frame Dynamo is compiling when a backend is called, or None.
 
     Model code decides some things from Python values Dynamo never puts in the graph (a
     sliding window it skips because the local sequence is short, a RoPE variant chosen by
     length); the attention pass reads them from the module.  Dynamo's instruction
-    translator of the current frame is a private API.  Checked against torch 2.13.
+    translator of the current frame is a private API.  Checked against torch 2.11-2.15.
     """
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tx = InstructionTranslator.current_tx()
-    except (ImportError, AttributeError, AssertionError, IndexError):
-        return None
+    tx = _current_frame()
     frame_self = getattr(tx, "f_locals", {}).get("self") if tx is not None else None
     return frame_self if isinstance(frame_self, torch.nn.Module) else None
+
+
+def frame_root(path: str):
+    """The object at the root of a Dynamo source path in the frame being compiled, or None.
+
+    ``path`` is what ``nn_module_stack`` records: ``L['self'].layers.0`` for a model's own
+    forward, ``L['args'][0].model.layers.0`` when a decorator wraps ``forward`` (transformers
+    5.24), ``G['model'].layers.0`` or ``L['model'].layers.0`` for a step function that calls
+    the model.  The root is the local or global with its indices, before the first attribute.
+    Checked against torch 2.11-2.15 (``InstructionTranslator.f_locals`` / ``f_globals``).
+    """
+    tx = _current_frame()
+    match = _SOURCE_ROOT.match(path)
+    if tx is None or match is None:
+        return None
+    scope = getattr(tx, "f_locals" if match.group(1) == "L" else "f_globals", None) or {}
+    if match.group(2) not in scope:
+        return None
+    value, position = scope[match.group(2)], match.end()
+    while (step := _SOURCE_INDEX.match(path, position)) is not None:
+        index, key = step.groups()
+        try:
+            value = value[int(index)] if index is not None else value[key]
+        except (IndexError, KeyError, TypeError):
+            return None
+        position = step.end()
+    return value
 
 
 def placeholder_sources(gm) -> list[str | None]:

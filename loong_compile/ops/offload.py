@@ -37,10 +37,11 @@ from torch.fx import has_side_effect
 from loong_compile._compat.kernels import cudagraph_unsafe_tags
 from loong_compile.ops.exposure import blocking
 
-# One side stream per CUDA device, and the event of every copy in flight, keyed by the
-# data pointer of the copy's destination (what ``wait_tensor`` receives).
+# One side stream per CUDA device, and the event of every copy in flight with the CUDA device
+# it ran on, keyed by the data pointer of the copy's destination (what ``wait_tensor``
+# receives: a host tensor for an offload, whose device says nothing of the stream to order).
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
-_in_flight: dict[int, torch.cuda.Event] = {}
+_in_flight: dict[int, tuple[torch.cuda.Event, torch.device]] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -59,7 +60,7 @@ def _copy(src: torch.Tensor, dst: torch.Tensor, cuda_device: torch.device | None
         dst.copy_(src, non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
-    _in_flight[dst.data_ptr()] = event
+    _in_flight[dst.data_ptr()] = (event, cuda_device)
     return dst
 
 
@@ -103,9 +104,9 @@ _lib.define("wait_tensor(Tensor(a) tensor, Tensor? keepalive=None, Tensor? after
 @torch.library.impl(_lib, "wait_tensor", "CompositeExplicitAutograd")
 def _wait_tensor(tensor: torch.Tensor, keepalive: torch.Tensor | None = None,
                  after: torch.Tensor | None = None, layer: int = -1) -> torch.Tensor:
-    event = _in_flight.pop(tensor.data_ptr(), None)
-    if event is not None:
-        device = keepalive.device if keepalive is not None and keepalive.is_cuda else tensor.device
+    in_flight = _in_flight.pop(tensor.data_ptr(), None)
+    if in_flight is not None:
+        event, device = in_flight
         kind = "offload" if tensor.device.type == "cpu" else "reload"
         with blocking(kind, layer, device):
             torch.cuda.current_stream(device).wait_event(event)

@@ -86,7 +86,7 @@ class Attention2DPass(Pass):
         return config.sp > 1
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
-        root = model_facts.compiled_module()
+        root = model_facts.compiled_module(gm)
         scopes = [s for s in graph_scopes(gm)  # flash-attn's own Function body: matched outside
                   if s.caller is None or match_flash_attn(s.caller) is None]
         sites = [(scope, n) for scope in scopes for n in scope.module.graph.nodes
@@ -262,7 +262,16 @@ def _window(node: torch.fx.Node, root, causal: bool, tokens: int | None, sp: int
     builds no mask at all when ``L < W`` and nothing else needs one.  So the module's window
     must show in the mask when shorter than ``L``, and is taken from the module otherwise.
     """
-    module_window = model_facts.sliding_window(model_facts.module_of(root, node), root)
+    attention = model_facts.module_of(root, node)
+    path = model_facts.traced_in(node)
+    if attention is None and path is not None:
+        # the window lives on the module (or its config): not finding it is no proof of none
+        _refuse(node, f"it was traced in the module {path}, which the backend cannot find "
+                      "from the compiled frame, so it cannot read the sliding window the module "
+                      "may apply", "compile the model (or a function that calls the model "
+                      "held in a variable or attribute), or run with hp=cp=1",
+                error=LoongTokenMixingError)
+    module_window = model_facts.sliding_window(attention, root)
     seen = meaning.window if meaning is not None else None
     mask = "no mask" if meaning is None else f"a mask proven to be {meaning.describe()}"
 

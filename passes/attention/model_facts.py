@@ -4,7 +4,7 @@ Model code reads the length of the tokens it is given, and under hp*cp > 1 that 
 local share.  Some decisions never reach the graph: transformers skips a sliding-window mask
 when the (local) length fits the window and emits ``is_causal=True`` instead, and a
 ``dynamic`` / ``longrope`` RoPE picks its frequencies from the (local) length.  This module
-reads those settings from the module Dynamo is compiling (``_compat.dynamo.dynamo_frame_self``) so
+reads those settings from the modules Dynamo traced (``compiled_module``, ``module_of``) so
 the attention pass can compare them with the *global* length and refuse what differs.
 """
 
@@ -14,25 +14,45 @@ from typing import Any
 
 import torch
 
-from loong_compile._compat.dynamo import dynamo_frame_self
+from loong_compile._compat.dynamo import dynamo_frame_self, frame_root
 from loong_compile.passes.fx_util import module_path_parts
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def compiled_module() -> torch.nn.Module | None:
-    """The module whose forward Dynamo is compiling, or None (a plain function)."""
-    return dynamo_frame_self()
+def compiled_module(gm: torch.fx.GraphModule) -> torch.nn.Module | None:
+    """The model whose code Dynamo traced: the compiled frame's ``self``, else the module its
+    module paths start from (a step function's ``model``, or transformers 5.24's ``forward``
+    wrapper, whose frame holds the model as ``args[0]``); None for a plain function."""
+    frame_self = dynamo_frame_self()
+    if frame_self is not None:
+        return frame_self
+    for node in gm.graph.nodes:
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            root = frame_root(str(path))
+            if isinstance(root, torch.nn.Module):
+                return root
+    return None
+
+
+def traced_in(node: torch.fx.Node) -> str | None:
+    """The path of the innermost module a node was traced in, or None outside every one."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return str(list(stack.values())[-1][0]) if stack else None
 
 
 def module_of(root: torch.nn.Module | None, node: torch.fx.Node) -> torch.nn.Module | None:
-    """The innermost module a node was traced in (from its ``nn_module_stack``), or None."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if root is None:
+    """The innermost module a node was traced in, walked along its module path from the
+    path's root in the compiled frame (whatever Dynamo named it: ``L['self']``,
+    ``L['args'][0]``, ``G['model']``) or else from ``root``; ``root`` itself for code outside
+    every submodule; None where the path leads nowhere."""
+    path = traced_in(node)
+    if path is None:
+        return root
+    # the path's own root first: a step function may call more than one module
+    start = frame_root(path)
+    module: Any = start if isinstance(start, torch.nn.Module) else root
+    if module is None:
         return None
-    path = str(list(stack.values())[-1][0]) if stack else "L['self']"  # root's own forward
-    if not path.startswith("L['self']"):
-        return None
-    module: Any = root
     for name in module_path_parts(path):
         module = getattr(module, name, None)
         if module is None:

@@ -28,6 +28,7 @@ reports:  each chunked head (source, tokens, vocabulary, chunk, transforms, the 
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import Any
 
@@ -35,6 +36,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from loong_compile._compat.aot import size_hint
 from loong_compile.estimate.lm_head import chunk_tokens, kept_bytes, working_bytes
 from loong_compile.ops.lm_head import lm_head_loss
 from loong_compile.passes.base import Pass, PassContext
@@ -233,7 +235,8 @@ def _projection_operands(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.N
 
 def _untransposed(right: Any) -> torch.fx.Node:
     """``W`` of ``hidden @ W.T`` (the right operand a transpose of a 2-D weight)."""
-    if isinstance(right, torch.fx.Node) and op_name(right) in ("t", "T") or (
+    # ``W.T`` is ``getattr(W, "T")`` in Dynamo's graph up to torch 2.14, ``aten.numpy_T`` on 2.15
+    if isinstance(right, torch.fx.Node) and op_name(right) in ("t", "T", "numpy_T") or (
             isinstance(right, torch.fx.Node) and op_name(right) == "transpose"
             and {a % 2 for a in right.args[1:3]} == {0, 1}):
         return right.args[0]
@@ -318,14 +321,18 @@ def _logits_outputs(graph: torch.fx.Graph, chunks: set[int]) -> list[dict[str, A
         if out_features <= in_features or not _reaches_output(node):
             continue
         value = example_value(node)
-        tokens = value.numel() // out_features
+        # a dynamic sequence length is a SymInt: report at its example size, adding no guard
+        shape = [size_hint(d) for d in value.shape]
+        out_features = size_hint(out_features)
+        numel = math.prod(shape)
+        tokens = numel // out_features
         chunk = chunk_tokens(tokens, out_features)
-        gib = value.numel() * value.element_size() / GIB
+        gib = numel * value.element_size() / GIB
         chunked = float(working_bytes(chunk, out_features, value.element_size())) / GIB
         found.append({
-            "node": node.name, "source": source_line(node), "shape": list(value.shape),
+            "node": node.name, "source": source_line(node), "shape": shape,
             "dtype": str(value.dtype).removeprefix("torch."), "gib": gib,
-            "message": (f"the logits {tuple(value.shape)} of {node.name} are a graph output: "
+            "message": (f"the logits {tuple(shape)} of {node.name} are a graph output: "
                         f"{gib:.3g} GiB held until the loss outside the graph is computed (and "
                         f"as much again for their gradient), against {chunked:.3g} GiB for one "
                         f"chunk of {chunk} tokens with the loss in the graph"),
