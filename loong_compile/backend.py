@@ -68,8 +68,9 @@ class LoongBackend:
         self.schedule, self.skipped = _assemble(self.passes, self.config)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        compile_ = _GraphCompile(self, gm)
-        return compile_.run(example_inputs)
+        with rank_check.compiling():   # a refusal here reaches the other ranks' checks at once
+            compile_ = _GraphCompile(self, gm)
+            return compile_.run(example_inputs)
 
 
 def loong_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],

@@ -1,8 +1,8 @@
 """Tiny Hugging Face models built from their config classes (no download), for the trust matrix.
 
-Every architecture gets the same small sizes (one layer, two for Gemma3's sliding + full pair;
-width 32, 4 heads of 8, 2 KV heads where the model has GQA), no dropout, and a window only when a
-case asks for one.  One layer keeps the matrix's compile time down; what a layer computes is the
+Every architecture gets the same small sizes (one layer, two for Gemma3's and Exaone4's sliding
++ full pair; width 32, 4 heads of 8, 2 KV heads where the model has GQA), no dropout, and a
+window only when a case asks for one.  One layer keeps the matrix's compile time down; what a layer computes is the
 same in every layer.
 """
 
@@ -82,12 +82,21 @@ def _starcoder2(attn, window):
                                                   residual_dropout=0.0, embedding_dropout=0.0))
 
 
+def _exaone4(attn, window):
+    # alternating layers (sliding, then full): the full layer keeps the config's window in its
+    # module's ``sliding_window`` and applies none (its type says so)
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+    return Exaone4ForCausalLM(Exaone4Config(
+        **_common(attn) | {"num_hidden_layers": 2}, sliding_window=window or 4096,
+        layer_types=["sliding_attention", "full_attention"]))
+
+
 ARCHITECTURES = {
     "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "gemma3": _gemma3,
     "phi3": _phi3, "olmo2": _olmo2, "gpt_neox": _gpt_neox, "gpt2": _gpt2,
-    "starcoder2": _starcoder2,
+    "starcoder2": _starcoder2, "exaone4": _exaone4,
 }
-WINDOWED = ("qwen2", "qwen3", "mistral", "gemma3", "phi3", "starcoder2")
+WINDOWED = ("qwen2", "qwen3", "mistral", "gemma3", "phi3", "starcoder2", "exaone4")
 
 
 def build(arch: str, attn: str = "sdpa", window: int | None = None,

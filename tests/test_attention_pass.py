@@ -283,6 +283,31 @@ def test_an_attention_module_that_cannot_be_found_is_refused_not_taken_as_window
         run_pass(gm)
 
 
+def test_a_scale_dynamo_made_symbolic_is_read_as_the_number_it_is():
+    """Issue 23 item 10: a second model running the same attention code with another scale
+    made Dynamo recompile with the float as a symbol, which was refused as not constant."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def attend(q, k, v, scale):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend=capture, fullgraph=True)
+    q, k, v = qkv(kv_heads=H)
+    compiled(q, k, v, 0.25)
+    compiled(q, k, v, 0.5)                     # automatic dynamic: the scale is a SymFloat now
+    gm = graphs[-1]
+    assert any(isinstance(n.meta.get("example_value"), torch.SymFloat) for n in gm.graph.nodes)
+    summary, _ = run_pass(gm)
+    (call,) = calls(gm, attention_2d)
+    assert call.kwargs["scale"] == 0.5
+    assert summary["changed"][0]["scale_specialised"] is True
+
+
 class WindowedMask(torch.nn.Module):
     """transformers' sliding-window mask over packed positions, in a module declaring it."""
 

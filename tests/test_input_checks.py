@@ -159,6 +159,12 @@ def disagreeing(rank: int, world: int) -> dict:
     options = {"lowering": "eager", "rank_check_timeout": RANK_CHECK_TIMEOUT, "hp": 2 - rank, "cp": 1 + rank}
     attempt("cached_mesh_differs", lambda: _compiled(options)(
         shard.input_ids, position_ids=shard.position_ids))
+    # issue 23 obs 3: rank 0 refuses its graph (no position_ids: the model's arange) before the
+    # compile check; rank 1 compiles and waits there, with a timeout far beyond the test's
+    options = {"hp": 2, "lowering": "eager", "rank_check_timeout": 120}
+    positions = {} if rank == 0 else {"position_ids": shard.position_ids}
+    attempt("refused_on_one_rank", lambda: _compiled(options)(shard.input_ids, **positions))
+    dist.barrier()   # rank 0's process holds the store: it stays until rank 1 has raised
     return out, timed
 
 
@@ -224,11 +230,12 @@ DISAGREEMENTS = {
     "init_mesh_differs": ["mesh #0: the ranks differ", "cp=2 on ranks [0], cp=1 on ranks [1]",
                           "hp=3 on ranks [0], hp=1 on ranks [1]"],
     "options_differ": ["mesh #", "cp=1 on ranks [0], cp=2 on ranks [1]"],
-    # the ranks never meet: each waits rank_check_timeout, then names what the other announced
-    "cached_mesh_differs": [f"did not within {RANK_CHECK_TIMEOUT} s",
+    # rank 0 waits in the compile check, rank 1 in the mesh check: each sees the other's wait
+    "cached_mesh_differs": ["check of the same compile",
                             "options: cp=1 on ranks [0], cp=2 on ranks [1]",
                             "hp=2 on ranks [0], hp=1 on ranks [1]"],
 }
+WAITED_AT_ONCE = {"cached_mesh_differs": 10.0}
 
 
 @pytest.mark.slow
@@ -240,7 +247,20 @@ def test_ranks_that_disagree_on_the_mesh_name_the_difference_within_the_timeout(
         assert message.startswith("LoongRankMismatchError:"), (rank, message)
         for fragment in DISAGREEMENTS[scenario]:
             assert fragment in message, (rank, fragment, message)
-        assert timed[scenario] < 3 * RANK_CHECK_TIMEOUT, (rank, timed[scenario])
+        assert timed[scenario] < WAITED_AT_ONCE.get(scenario, 3 * RANK_CHECK_TIMEOUT), \
+            (rank, timed[scenario])
+
+
+@pytest.mark.slow
+def test_a_rank_that_refuses_tells_the_waiting_ranks_within_seconds(two_disagreeing_ranks):
+    """Rank 1 waits in the compile check (rank_check_timeout=120 s) for rank 0, which refused
+    its graph before reaching it: rank 1 raises within seconds, naming rank 0's refusal."""
+    (mine, mine_timed), (waiting, waiting_timed) = two_disagreeing_ranks
+    assert mine["refused_on_one_rank"].startswith("LoongTokenMixingError:"), mine
+    assert waiting["refused_on_one_rank"].startswith("LoongRankMismatchError:"), waiting
+    assert "rank 0 refused this compile: LoongTokenMixingError" in waiting["refused_on_one_rank"]
+    assert "fix:" in waiting["refused_on_one_rank"]
+    assert waiting_timed["refused_on_one_rank"] < 10.0, waiting_timed
 
 
 def test_verdicts_on_positions():

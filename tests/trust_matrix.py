@@ -8,6 +8,7 @@ with one process on the full sequence in float64 — or records the ``LoongError
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import traceback
@@ -30,7 +31,7 @@ FLOAT32_INSIDE = ("gemma3",)
 # transformers' shared code (masks, caches) or on ours run on four architectures
 HABITS_EVERY_ARCH = ("plain", "labels", "shift_labels", "no_position_ids")
 HABITS_SAMPLED = ("use_cache_false", "grad_ckpt", "padding", "packed", "packed_use_cache_false",
-                  "bf16", "no_shard_batch")
+                  "bf16", "autocast_bf16", "no_shard_batch")
 SAMPLED_ARCHS = ("llama", "qwen2", "gemma3", "gpt2")
 LONG_WINDOW_ARCHS = ("mistral", "gemma3", "qwen3")
 # The loss inside the compiled function (issue 22: the LM head is chunked with it, in chunks of
@@ -66,7 +67,8 @@ def all_cases() -> list[Case]:
     cases += [Case(arch, window=WINDOW_LONG) for arch in LONG_WINDOW_ARCHS]
     cases += [Case(arch, window=WINDOW_SHARD, habit=habit) for arch in LONG_WINDOW_ARCHS
               for habit in ("plain", "packed_use_cache_false")]
-    cases += [Case("qwen2", window=WINDOW_SHARD, habit="padding")]
+    cases += [Case(arch, window=WINDOW_SHARD, habit="padding") for arch in ("qwen2", "mistral")]
+    cases += [Case("exaone4", window=WINDOW_SHARD)]
     return cases
 
 
@@ -98,7 +100,7 @@ def padding_mask() -> torch.Tensor:
 
 
 def _model_for(case: Case) -> torch.nn.Module:
-    dtype = torch.bfloat16 if case.habit == "bf16" else torch.float64
+    dtype = {"bf16": torch.bfloat16, "autocast_bf16": torch.float32}.get(case.habit, torch.float64)
     model = _loss_in_graph_setup(case, build(case.arch, case.attn, case.window, dtype))
     if case.habit == "grad_ckpt":
         model.gradient_checkpointing_enable()
@@ -126,8 +128,17 @@ def _label_count() -> int:
     return BATCH * (SEQ - 1)
 
 
-def reference(case: Case, dtype: torch.dtype = torch.float64) -> tuple[float, dict]:
-    """One process, full sequence (float64 unless asked): the loss and gradients the user meant."""
+def _autocast(case: Case):
+    """bf16 autocast around the forward and the loss for that habit (the usual mixed
+    precision: float32 weights), nothing otherwise."""
+    if case.habit == "autocast_bf16":
+        return torch.autocast("cpu", torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def reference(case: Case, dtype: torch.dtype = torch.float64, autocast: bool = False) -> tuple[float, dict]:
+    """One process, full sequence (float64 unless asked): the loss and gradients the user meant.
+    ``autocast``: under the case's autocast (with ``dtype`` float32: what one process computes)."""
     model = _loss_in_graph_setup(case, build(case.arch, case.attn, case.window, dtype))
     ids = token_ids()
     labels = _shifted(ids)
@@ -139,12 +150,13 @@ def reference(case: Case, dtype: torch.dtype = torch.float64) -> tuple[float, di
     if case.habit.endswith("padding"):
         kwargs["attention_mask"] = padding_mask()
         labels = labels.masked_fill(_shifted(padding_mask()) == 0, -100)
-    if case.habit in ("labels", "shift_labels", "loss_in_graph", "loss_in_graph_padding"):
-        unshifted = ids.masked_fill(padding_mask() == 0, -100) if "padding" in case.habit else ids
-        loss = model(ids, labels=unshifted, **kwargs).loss
-    else:
-        count = int((labels != -100).sum())
-        loss = _summed_loss(model(ids, **kwargs).logits, labels, count)
+    with _autocast(case) if autocast else contextlib.nullcontext():
+        if case.habit in ("labels", "shift_labels", "loss_in_graph", "loss_in_graph_padding"):
+            unshifted = ids.masked_fill(padding_mask() == 0, -100) if "padding" in case.habit else ids
+            loss = model(ids, labels=unshifted, **kwargs).loss
+        else:
+            count = int((labels != -100).sum())
+            loss = _summed_loss(model(ids, **kwargs).logits, labels, count)
     loss.backward()
     return loss.item(), {n: p.grad.double().numpy() for n, p in model.named_parameters()
                          if p.grad is not None}
@@ -167,6 +179,8 @@ def tolerance(case: Case) -> float:
     bf16 error against float64."""
     if case.habit == "bf16":
         return 2 * relative_error(reference(case, torch.bfloat16), reference(case))
+    if case.habit == "autocast_bf16":
+        return 2 * relative_error(reference(case, torch.float32, autocast=True), reference(case))
     if case.arch in FLOAT32_INSIDE or case.habit in ("labels", "shift_labels", "loss_in_graph",
                                                       "loss_in_graph_padding"):
         return 1e-5
@@ -206,13 +220,14 @@ def _distributed_step(case: Case, hp: int, cp: int):
     if case.habit == "no_shard_batch":  # every rank feeds the whole sequence
         inputs, labels = ids, _shifted(ids)
         kwargs["position_ids"] = torch.arange(SEQ).expand(BATCH, -1).contiguous()
-    if case.habit == "labels":
-        loss = compiled(inputs, labels=labels, **kwargs).loss
-    elif case.habit == "shift_labels":
-        loss = compiled(inputs, labels=labels, shift_labels=labels, num_items_in_batch=count,
-                        **kwargs).loss
-    else:
-        loss = _summed_loss(compiled(inputs, **kwargs).logits, labels, count)
+    with _autocast(case):
+        if case.habit == "labels":
+            loss = compiled(inputs, labels=labels, **kwargs).loss
+        elif case.habit == "shift_labels":
+            loss = compiled(inputs, labels=labels, shift_labels=labels, num_items_in_batch=count,
+                            **kwargs).loss
+        else:
+            loss = _summed_loss(compiled(inputs, **kwargs).logits, labels, count)
     loss.backward()
     loss = loss.detach().double()
     dist.all_reduce(loss)

@@ -11,14 +11,22 @@ that never arrives is reported instead of waited for forever.
 The mesh is compared across the world (every rank creates every group); a
 compiled graph within the ranks that share a sequence (``hp·cp``), whose
 collectives it issues: data-parallel replicas may see other lengths.
+
+Inside a backend compile a waiting rank also looks, every ``POLL_S``, for a peer that will
+never come: one that refused this compile (``compiling`` publishes the ``LoongError`` it
+raised) or one waiting in another check of it (they asked for different meshes).  Either way
+it raises within a second, naming the peer and what it said, instead of waiting out
+``rank_check_timeout``.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import itertools
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,9 +35,16 @@ import torch.distributed as dist
 import torch.fx
 
 from loong_compile._compat.distributed import default_store, store_wait
-from loong_compile.errors import LoongRankMismatchError
+from loong_compile.errors import LoongError, LoongRankMismatchError
 
-_rounds: dict[tuple[str, str], itertools.count] = collections.defaultdict(itertools.count)
+_rounds: dict[tuple[str, str], int] = collections.defaultdict(int)   # the next round of each
+# The compile this rank is in (its count of backend compiles, the same on the ranks of a
+# sequence: they compile the same graphs), or None outside one.  Refusals and waits are
+# published under it, so a rank never reads one of an earlier compile.
+_compiles = itertools.count()
+_current_compile: int | None = None
+# How often a waiting rank looks for a peer's refusal or a wait on another topic.
+POLL_S = 0.5
 # what each rank last announced (options, mesh request): named in the error when ranks never meet
 ANNOUNCED = ("options", "mesh")
 
@@ -51,6 +66,32 @@ def announce(topic: str, value: dict[str, Any]) -> None:
         store.set(f"loong_compile/announced/{topic}/{rank}", _dumps(value))
 
 
+@contextlib.contextmanager
+def compiling():
+    """Around one backend compile: a ``LoongError`` raised in it is published for the other
+    ranks, whose agreement rounds of the same compile raise at once naming it, instead of
+    waiting ``rank_check_timeout`` for a rank that will never come."""
+    global _current_compile
+    _current_compile = next(_compiles)
+    try:
+        yield
+    except LoongError as error:
+        store, rank = _store_and_rank()
+        if store is not None:
+            store.set(_refusal_key(_current_compile, rank), f"{type(error).__name__}: {error}")
+        raise
+    finally:
+        _current_compile = None
+
+
+def _refusal_key(index: int, rank: int) -> str:
+    return f"loong_compile/refused/{index}/{rank}"
+
+
+def _waiting_key(index: int, rank: int) -> str:
+    return f"loong_compile/waiting/{index}/{rank}"
+
+
 def check_agreement(topic: str, mine: dict[str, Any], timeout: float,
                     ranks: Sequence[int] | None = None) -> None:
     """Raise ``LoongRankMismatchError`` on every rank of ``ranks`` (default: the world) unless
@@ -66,11 +107,18 @@ def check_agreement(topic: str, mine: dict[str, Any], timeout: float,
     if len(ranks) == 1:
         return
     members = hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:16]
-    round_ = next(_rounds[topic, members])
+    round_ = _rounds[topic, members]
+    _rounds[topic, members] += 1
     prefix = f"loong_compile/{topic}/{members}/{round_}/"
     store.set(prefix + str(rank), _dumps(mine))
     try:
-        store_wait(store, [prefix + str(r) for r in ranks], timeout)
+        _wait(store, prefix, topic, ranks, rank, timeout)
+    except LoongError:
+        # a peer refused, or waits in another check, and will never enter this round: leave it
+        # as if this rank had not either, so the ranks' rounds stay in step for the next compile
+        store.delete_key(prefix + str(rank))
+        _rounds[topic, members] -= 1
+        raise
     except Exception:  # noqa: BLE001 - a store timeout: some rank never got here
         missing = [r for r in ranks if not store.check([prefix + str(r)])]
         raise LoongRankMismatchError(
@@ -88,6 +136,49 @@ def check_agreement(topic: str, mine: dict[str, Any], timeout: float,
             f"all ranks of a job agree on the {topic} before the first collective",
             "pass identical options (and LOONG_* variables), mesh sizes and same-shaped inputs "
             "on every rank")
+
+
+def _wait(store, prefix: str, topic: str, ranks: list[int], rank: int, timeout: float) -> None:
+    """Wait for every rank's key under ``prefix``, looking every ``POLL_S`` (inside a compile)
+    for a peer's refusal or a peer waiting on another topic: either raises at once."""
+    keys = [prefix + str(r) for r in ranks]
+    if _current_compile is None:
+        store_wait(store, keys, timeout)
+        return
+    index, peers = _current_compile, [r for r in ranks if r != rank]
+    store.set(_waiting_key(index, rank), topic)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                store_wait(store, keys, max(1e-3, min(POLL_S, deadline - time.monotonic())))
+                return
+            except Exception:  # noqa: BLE001 - a store timeout: look around, then wait on
+                if time.monotonic() >= deadline:
+                    raise
+            _raise_on_peer(store, index, peers, rank, topic)
+    finally:
+        store.set(_waiting_key(index, rank), "")   # no longer waiting: no one reads a stale topic
+
+
+def _raise_on_peer(store, index: int, peers: list[int], rank: int, topic: str) -> None:
+    """Raise ``LoongRankMismatchError`` if a peer refused this compile or waits on another
+    topic of it (they would never meet)."""
+    for r in peers:
+        if store.check([_refusal_key(index, r)]):
+            refusal = store.get(_refusal_key(index, r)).decode()
+            raise LoongRankMismatchError(
+                f"rank {rank} waits in the {topic} check, but rank {r} refused this compile: "
+                f"{refusal}",
+                "a rank that refuses tells the others instead of leaving them waiting",
+                f"fix what rank {r} reports (the same error is raised there)")
+        key = _waiting_key(index, r)
+        if store.check([key]) and (theirs := store.get(key).decode()) not in ("", topic):
+            raise LoongRankMismatchError(
+                f"rank {rank} waits in the {topic} check and rank {r} in the {theirs} check of the "
+                f"same compile{_announced_differences(store, sorted({rank, r}))}",
+                "every rank asks for the same mesh with the same options",
+                "pass identical options (hp, cp, ...) and mesh sizes on every rank")
 
 
 def _dumps(value: dict[str, Any]) -> str:

@@ -40,6 +40,7 @@ reports:  each rewritten site (source line, module, heads, KV heads, un-repeated
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from typing import Any, NoReturn
@@ -55,7 +56,7 @@ from loong_compile.passes.attention import model_facts
 from loong_compile.passes.base import Pass, PassContext
 from loong_compile.passes.attention.document_ids import DocumentIds
 from loong_compile.passes.attention.flash_match import match_flash_attn
-from loong_compile.passes.fx_util import module_path, source_line
+from loong_compile.passes.fx_util import autocast_dtypes, module_path, source_line
 from loong_compile.passes.attention.kv_repeat import shape, unrepeated_kv
 from loong_compile.passes.attention.mask_proof import PADDING, POSITIONS, MaskMeaning, MaskNotProven, Prover
 from loong_compile.passes.subgraphs import Scope, drop_unused_operands, graph_scopes
@@ -102,7 +103,8 @@ class Attention2DPass(Pass):
                   for name in (POSITIONS, PADDING) for i in [graph_input_index(gm, name)]}
         prover = Prover(scopes, {n: name for name, n in inputs.items() if n is not None})
         documents = DocumentIds(gm, scopes, inputs, ctx.mesh)
-        rewritten = [_rewrite(scope, node, ctx, root, prover, documents)
+        autocast: dict = {}   # (graph, device type) -> autocast's dtype at each node
+        rewritten = [_rewrite(scope, node, ctx, root, prover, documents, autocast)
                      | {"inside": scope.hop} for scope, node in sites]
         dropped = drop_unused_operands(scopes)
         for scope in scopes:
@@ -138,7 +140,7 @@ def _check_rope(root, rewritten: list[dict], ctx: PassContext) -> dict | None:
 
 
 def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn.Module | None,
-             prover: Prover, documents: DocumentIds) -> dict:
+             prover: Prover, documents: DocumentIds, autocast: dict) -> dict:
     graph = scope.module.graph
     flash = match_flash_attn(node)
     is_flash = flash is not None
@@ -161,6 +163,7 @@ def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn
         _refuse(node, f"dropout_p={args['dropout_p']!r}; attention dropout over a sharded "
                       "sequence would not equal one process's",
                 "set the attention dropout to 0 (e.g. attention_dropout=0.0 in the model config)")
+    scale, scale_specialised = _specialised(scale)
     if not isinstance(causal, bool) or not (scale is None or isinstance(scale, (int, float))):
         _refuse(node, f"is_causal={causal!r} / scale={scale!r} are not constants",
                 "pass Python bool/float values")
@@ -173,6 +176,9 @@ def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn
                 "pass position_ids=batch.position_ids (and attention_mask=batch.attention_mask) "
                 "from loong_compile.shard_batch to the model")
 
+    cast_to = None if is_flash else _autocast_dtype(graph, node, q, autocast)
+    if cast_to is not None:
+        q, k, v = (_cast(graph, node, t, cast_to) for t in (q, k, v))
     # flash-attn takes fewer KV heads as they are; SDPA callers often repeat them first
     k_unrepeated, v_unrepeated = (None, None) if is_flash else (unrepeated_kv(k), unrepeated_kv(v))
     unrepeat = (k_unrepeated is not None and v_unrepeated is not None
@@ -208,6 +214,8 @@ def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn
             "built": _mask_cause(args["attn_mask"])},
         "document_ids": None if document_ids is None else document_ids.name,
         "scale": kwargs["scale"] if scale is not None else 1 / math.sqrt(_head_dim(q)),
+        "scale_specialised": scale_specialised,
+        "autocast_dtype": None if cast_to is None else str(cast_to).removeprefix("torch."),
         "hp": ctx.config.hp, "cp": ctx.config.cp, "inner_ring": ctx.config.inner_ring,
         "placement": ctx.config.placement,
     }
@@ -271,7 +279,12 @@ def _window(node: torch.fx.Node, root, causal: bool, tokens: int | None, sp: int
                       "may apply", "compile the model (or a function that calls the model "
                       "held in a variable or attribute), or run with hp=cp=1",
                 error=LoongTokenMixingError)
-    module_window = model_facts.sliding_window(attention, root)
+    try:
+        module_window = model_facts.sliding_window(attention, root)
+    except model_facts.UnknownLayerType as kind:
+        _refuse(node, f"its layer's attention type is {kind}, and 2D-Attention knows the masks "
+                      f"of {model_facts.FULL_LAYER} and {model_facts.WINDOWED_LAYER} only",
+                "run with hp=cp=1", error=LoongTokenMixingError)
     seen = meaning.window if meaning is not None else None
     mask = "no mask" if meaning is None else f"a mask proven to be {meaning.describe()}"
 
@@ -337,6 +350,49 @@ def _bind(node: torch.fx.Node, params: tuple[str, ...], defaults: dict[str, Any]
     bound.update(zip(params, node.args))
     bound.update(node.kwargs)
     return bound
+
+
+def _autocast_dtype(graph: torch.fx.Graph, node: torch.fx.Node, q: Any, cache: dict) -> torch.dtype | None:
+    """The dtype autocast would cast this SDPA call's inputs to, or None.
+
+    SDPA is on autocast's lower-precision list (CPU and CUDA): under ``torch.autocast`` it
+    casts q, k and v to autocast's dtype before it runs.  The op that replaces it is no
+    autocast op, so the rewrite applies the same casts itself."""
+    example = _example(q)
+    if not isinstance(example, torch.Tensor):
+        return None
+    key = (graph, example.device.type)
+    if key not in cache:
+        cache[key] = autocast_dtypes(graph, example.device.type)
+    return cache[key].get(node)
+
+
+def _cast(graph: torch.fx.Graph, anchor: torch.fx.Node, tensor: Any, dtype: torch.dtype) -> Any:
+    """``tensor.to(dtype)`` before ``anchor`` where autocast would cast it (a floating tensor
+    of another dtype, float64 excepted), else ``tensor``."""
+    example = _example(tensor)
+    if not (isinstance(example, torch.Tensor) and example.is_floating_point()
+            and example.dtype not in (dtype, torch.float64)):
+        return tensor
+    with graph.inserting_before(anchor):
+        new = graph.call_method("to", (tensor, dtype))
+    _copy_meta(anchor, new)
+    with example.fake_mode if hasattr(example, "fake_mode") else contextlib.nullcontext():
+        new.meta["example_value"] = example.to(dtype)
+    return new
+
+
+def _specialised(scale: Any) -> tuple[Any, bool]:
+    """``(scale, specialised)``: a scale Dynamo made symbolic, as the number it is in this call.
+
+    A model's ``scaling`` is a Python float; when a second model runs the same attention code
+    with another one (transformers' shared ``sdpa_attention_forward``), Dynamo's automatic
+    dynamic recompiles with the float as a symbol.  Still one number per call: reading its
+    value adds a guard on it, so another value compiles anew instead of reusing this graph."""
+    value = scale.meta.get("example_value") if isinstance(scale, torch.fx.Node) else None
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return float(value), True
+    return scale, False
 
 
 def _refuse_flash_extras(node: torch.fx.Node, args: dict[str, Any]) -> None:

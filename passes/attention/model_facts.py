@@ -60,21 +60,50 @@ def module_of(root: torch.nn.Module | None, node: torch.fx.Node) -> torch.nn.Mod
     return module if isinstance(module, torch.nn.Module) else None
 
 
+class UnknownLayerType(ValueError):
+    """A layer whose attention type is neither full nor sliding-window attention."""
+
+
+FULL_LAYER, WINDOWED_LAYER = "full_attention", "sliding_attention"
+
+
+def layer_type(attention: torch.nn.Module | None, config: Any) -> str | None:
+    """The layer's attention type as the model picks its mask (``full_attention`` or
+    ``sliding_attention``), or None where the model has no per-layer types.
+
+    transformers picks each layer's mask by ``config.layer_types[layer_idx]``; a module's own
+    ``sliding_window`` does not say it (Exaone4 keeps the config's window on its full-attention
+    layers too, beside ``is_sliding``).
+    """
+    types, index = getattr(config, "layer_types", None), getattr(attention, "layer_idx", None)
+    if types and isinstance(index, int) and 0 <= index < len(types):
+        return str(types[index])
+    own = getattr(attention, "layer_type", None)
+    if isinstance(own, str):
+        return own
+    sliding = getattr(attention, "is_sliding", None)
+    if isinstance(sliding, bool):
+        return WINDOWED_LAYER if sliding else FULL_LAYER
+    return None
+
+
 def sliding_window(attention: torch.nn.Module | None, root: torch.nn.Module | None) -> int | None:
     """The sliding window (tokens back, including the query) an attention module applies, or None.
 
-    transformers keeps it on the attention module (``self.sliding_window``: Qwen2/3, Gemma2/3,
-    None on full-attention layers) or only in the config (Mistral, Mixtral, Phi3, Starcoder2).
+    The layer's type decides whether it has one (``layer_type``); the window is the module's
+    ``sliding_window`` (Qwen2/3, Gemma2/3, Exaone4) or the config's (Mistral, Mixtral, Phi3,
+    Starcoder2, which keep it only there).  Raises ``UnknownLayerType`` for another type.
     """
-    if attention is not None and hasattr(attention, "sliding_window"):
-        return _positive_int(attention.sliding_window)
     config = getattr(attention, "config", None) or getattr(root, "config", None)
-    if config is None or getattr(config, "use_sliding_window", True) is False:
+    kind = layer_type(attention, config)
+    if kind == FULL_LAYER:
         return None
-    layer_types = getattr(config, "layer_types", None)
-    layer = getattr(attention, "layer_idx", None)
-    if layer_types and isinstance(layer, int) and layer < len(layer_types) \
-            and layer_types[layer] != "sliding_attention":
+    if kind not in (None, WINDOWED_LAYER):
+        raise UnknownLayerType(kind)
+    if attention is not None and hasattr(attention, "sliding_window"):
+        return _positive_int(attention.sliding_window) or (
+            _positive_int(getattr(config, "sliding_window", None)) if kind == WINDOWED_LAYER else None)
+    if config is None or (kind is None and getattr(config, "use_sliding_window", True) is False):
         return None
     return _positive_int(getattr(config, "sliding_window", None))
 

@@ -17,7 +17,8 @@ matches:  in the top-level graph, ``F.cross_entropy(x, labels)`` or ``F.nll_loss
 emits:    one ``loong_compile.ops.lm_head_loss`` call per match, with the chunk of
           ``estimate/lm_head.py::chunk_tokens`` (option ``lm_head_chunk``); the logits and the
           loss's nodes are removed.
-leaves:   a projection inside an autocast region (its dtype is autocast's), a loss inside a
+leaves:   a projection autocast casts (called under ``torch.autocast`` or inside such a block:
+          its dtype is autocast's), a loss inside a
           higher-order-op body; they run unchunked and the report says why.
 reports:  each chunked head (source, tokens, vocabulary, chunk, transforms, the bytes the
           unchunked logits took and what the chunked op keeps and needs), what was left
@@ -40,7 +41,7 @@ from loong_compile._compat.aot import size_hint
 from loong_compile.estimate.lm_head import chunk_tokens, kept_bytes, working_bytes
 from loong_compile.ops.lm_head import lm_head_loss
 from loong_compile.passes.base import Pass, PassContext
-from loong_compile.passes.fx_util import module_path, source_line
+from loong_compile.passes.fx_util import autocast_dtypes, module_path, source_line
 from loong_compile.passes.safety.token_ops import example_value, node_arg, op_name
 
 GIB = 2 ** 30
@@ -247,14 +248,12 @@ def _untransposed(right: Any) -> torch.fx.Node:
 
 
 def _in_autocast(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """Nodes between Dynamo's ``_enter_autocast`` and ``_exit_autocast`` calls."""
-    inside, depth = set(), 0
-    for node in graph.nodes:
-        name = getattr(node.target, "__name__", "")
-        depth += (name == "_enter_autocast") - (name == "_exit_autocast")
-        if depth > 0:
-            inside.add(node)
-    return inside
+    """Nodes autocast casts at, on any device the graph's tensors live on: the autocast the
+    function was called under, and its own ``with torch.autocast(...)`` blocks."""
+    devices = {v.device.type for n in graph.nodes
+               if isinstance(v := n.meta.get("example_value"), torch.Tensor)}
+    return {n for device in devices for n, dtype in autocast_dtypes(graph, device).items()
+            if dtype is not None}
 
 
 # -- the rewrite ------------------------------------------------------------------------------------
