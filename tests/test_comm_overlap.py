@@ -45,6 +45,27 @@ def test_each_start_moves_to_where_its_tensor_is_ready_and_waits_follow_start_or
     assert summary["changed"] >= 2 and all(n >= 1 for n in after), (before, after)
 
 
+def test_an_exchange_that_starts_after_another_ones_wait_keeps_its_wait_after_its_start():
+    """Issue 23 obs 1 (sc++ at hp=2 x cp=2 under Inductor): in the backward the recomputed
+    exchanges of one attention call can start after another one's wait; moving their waits
+    together put a wait before its start."""
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    a = g.call_function(aten.mm.default, (x, w))
+    start_a = g.call_function(START, (g.call_function(aten.clone.default, (a,)), [1, 1], [1, 1], "0"))
+    unpack_a = g.call_function(aten.clone.default, (g.call_function(WAIT, (start_a,)),))
+    b = g.call_function(aten.sin.default, (g.call_function(aten.mm.default, (x, w)),))  # after a's wait
+    start_b = g.call_function(START, (g.call_function(aten.clone.default, (b,)), [1, 1], [1, 1], "0"))
+    unpack_b = g.call_function(aten.clone.default, (g.call_function(WAIT, (start_b,)),))
+    g.output(g.call_function(aten.cat.default, ([unpack_a, unpack_b],)))
+    summary = CommOverlapPass().run(g, None)   # lints the graph it leaves
+    at = {n: i for i, n in enumerate(g.nodes)}
+    for start in (start_a, start_b):
+        (wait,) = start.users
+        assert at[start] < at[wait]
+    assert summary["waits_reordered_for"] == 0
+
+
 def test_the_pass_runs_only_with_head_parallelism():
     assert CommOverlapPass().enabled(types.SimpleNamespace(hp=2))
     assert not CommOverlapPass().enabled(types.SimpleNamespace(hp=1))

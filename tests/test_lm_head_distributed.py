@@ -16,17 +16,12 @@ import torch
 
 from loong_compile.testing import run_distributed
 from trust_matrix import (
-    BATCH, LM_HEAD_CHUNK, LOSS_IN_GRAPH_CASES, SEQ, loss_in_graph_step, reference, relative_error,
-    token_ids, tolerance,
+    BATCH, INDUCTOR_TOLERANCE, LM_HEAD_CHUNK, LOSS_IN_GRAPH_CASES, SEQ, loss_in_graph_step,
+    reference, relative_error, token_ids, tolerance,
 )
 
 HP, CP = 2, 2
 LOCAL_TOKENS = BATCH * SEQ // (HP * CP)
-# Every model here normalises in float32 inside (RMSNorm's upcast); Inductor fuses those float32
-# reductions differently from eager, so float64 models agree to float32 round-off, not float64's
-# (the example Llama: 1.3e-7, with the LM-head pass and without it alike).  A token chunk lost
-# or counted twice is off by more than 1e-2.
-INDUCTOR_TOLERANCE = 1e-5
 
 
 def _own_llama(dtype=torch.float64):

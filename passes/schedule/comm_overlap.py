@@ -76,12 +76,17 @@ def _latest_input(node: torch.fx.Node) -> torch.fx.Node | None:
     return before
 
 
-def raise_start(start: torch.fx.Node, order: Order) -> int:
-    """Move ``start``'s chain up to just after its latest outside input; the nodes moved."""
+def raise_start(start: torch.fx.Node, order: Order, floor: torch.fx.Node | None = None) -> int:
+    """Move ``start``'s chain up to just after its latest outside input, never above ``floor``
+    (the last placeholder: Inductor lowers a graph's inputs before any of its compute, and
+    reads a reshape of an input met before the other inputs as a donated buffer's); the
+    nodes moved."""
     moved = 0
     for node in feeding_chain(start, order):
         latest = _latest_input(node)
-        if latest is not None and latest.next is not node:
+        if latest is not None and floor is not None and order.get(latest, -1) < order[floor]:
+            latest = floor
+        if latest is not None and latest.next is not node and order[latest] < order[node]:
             latest.append(node)
             moved += 1
     return moved
@@ -130,18 +135,22 @@ def order_chains(graph: torch.fx.Graph, starts: list[torch.fx.Node], order: Orde
         n.name, kind.get(n.target, "kernel" if n.op == "call_function" else "other"),
         tuple(position[a] for a in n.all_input_nodes), n in copying) for n in nodes]
     new_order, _, report = exchange_order.order_exchanges(items)
-    at = nodes[new_order[0]]
-    for i in new_order[1:]:
-        if nodes[i].op != "output":
-            at.append(nodes[i])
-            at = nodes[i]
+    # the graph's inputs stay first (the order puts an input anywhere before its first use;
+    # Inductor lowers them all before any compute)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    rest = [nodes[i] for i in new_order if nodes[i].op not in ("placeholder", "output")]
+    at = placeholders[-1] if placeholders else (rest.pop(0) if rest else None)
+    for node in rest:
+        at.append(node)
+        at = node
     return report
 
 
 def wait_in_start_order(starts: list[torch.fx.Node], order: Order) -> int:
     """Where several exchanges feed one op (q, k, v into the ring), wait for them in the order
     they started: the first to start is waited first, so each wait has the others' unpacking
-    before it.  A group moves only when every other use comes after all its chains.  Returns
+    before it.  A group moves only when every other use comes after all its chains and every
+    start before them.  Returns
     the groups reordered.  ``order``: positions after the starts moved (reordering one group
     leaves every other node's relative order as it was)."""
     arrivals = [(start, *_arrival_chain(start, order)) for start in starts]
@@ -157,8 +166,12 @@ def wait_in_start_order(starts: list[torch.fx.Node], order: Order) -> int:
         if len(group) < 2:
             continue
         chained = [n for _, chain, _ in group for n in chain]
-        last = max(order[n] for n in chained)
+        first, last = min(order[n] for n in chained), max(order[n] for n in chained)
         if any(order[u] < last for _, _, users in group for u in users):
+            continue
+        # the chains move to where the first of them is: every start must already be above it
+        # (a recompute in the backward may start an exchange after another one's wait)
+        if any(order[start] > first for start, _, _ in group):
             continue
         group.sort(key=lambda arrival: order[arrival[0]])
         at = min(chained, key=order.__getitem__).prev
@@ -182,7 +195,8 @@ class CommOverlapPass(Pass):
         starts = list(graph.find_nodes(op="call_function", target=_START))
         before = [_nodes_to_wait(s) for s in starts]
         order = {n: i for i, n in enumerate(graph.nodes)}
-        moved = sum(raise_start(s, order) for s in starts)
+        floor = max(graph.find_nodes(op="placeholder"), key=order.__getitem__, default=None)
+        moved = sum(raise_start(s, order, floor) for s in starts)
         chains = order_chains(graph, starts, {n: i for i, n in enumerate(graph.nodes)})
         regrouped = wait_in_start_order(starts, {n: i for i, n in enumerate(graph.nodes)})
         graph.lint()
