@@ -84,9 +84,9 @@ def raise_start(start: torch.fx.Node, order: Order, floor: torch.fx.Node | None 
     moved = 0
     for node in feeding_chain(start, order):
         latest = _latest_input(node)
-        if latest is not None and floor is not None and order.get(latest, -1) < order[floor]:
+        if latest is not None and floor is not None and order[latest] < order[floor]:
             latest = floor
-        if latest is not None and latest.next is not node and order[latest] < order[node]:
+        if latest is not None and latest.next is not node:
             latest.append(node)
             moved += 1
     return moved
