@@ -1,5 +1,6 @@
 """passes/attention/mask_proof.py: transformers' own masks are proven to be documents / padding / windows;
-masks that are something else are refused with what they did (no process group needed)."""
+masks that are something else are refused with what they did (no process group needed); and
+input_roles.Prover's reading of the inputs a mask reads: by the structure proven, never by name."""
 
 import pytest
 import torch
@@ -7,8 +8,9 @@ import torch.nn.functional as F
 
 from conftest import dynamo_graph
 from helpers import hf_masked_attention as hf_masked
+from loong_compile.passes.attention.input_roles import Prover, rope_positions
 from loong_compile.passes.attention.mask_proof import (
-    PADDING, POSITIONS, MaskMeaning, MaskNotProven, Probe, Prover, candidate_mask, probe_inputs)
+    PADDING, POSITIONS, MaskMeaning, MaskNotProven, Probe, candidate_mask, probe_inputs)
 from loong_compile.passes.subgraphs import graph_scopes
 
 B, H, L, D = 2, 2, 16, 8
@@ -20,13 +22,18 @@ def qkv():
 
 
 def proven(fn, *inputs, **kw_inputs) -> MaskMeaning:
+    return proving(fn, *inputs, **kw_inputs)[0]
+
+
+def proving(fn, *inputs, **kw_inputs) -> tuple[MaskMeaning, dict[str, str]]:
+    """The meaning of fn's one mask, and the roles its graph inputs were read in (by name)."""
     gm = dynamo_graph(fn, *inputs, **kw_inputs)
     (call,) = [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention
                or n.target is torch._C._nn.scaled_dot_product_attention]
-    leaves = {n: n.name.removeprefix("l_").rstrip("_")
-              for n in gm.graph.find_nodes(op="placeholder")}
-    leaves = {n: role for n, role in leaves.items() if role in (POSITIONS, PADDING)}
-    return Prover(graph_scopes(gm), leaves).prove(call.kwargs["attn_mask"])
+    scopes = graph_scopes(gm)
+    prover = Prover(scopes, rope_positions(gm, scopes))
+    meaning = prover.prove(call.kwargs["attn_mask"])
+    return meaning, {role: n.name for role, n in prover.read_as.items()}
 
 
 POS = torch.arange(L).expand(B, -1)
@@ -106,3 +113,88 @@ def test_candidate_mask_is_the_api_rule():
     docs = torch.tensor([-1, 0, 0, 1, 1, 2, 2, -1])
     want = (docs[i] == docs[j]) & (docs[j] >= 0) & (j <= i) & (i - j < 2)
     assert torch.equal(seen, want)
+
+
+# --- which input is in which role: by flow, never by name (issue 23, observation 8) ----------
+
+HF_CAUSAL = hf_masked("create_causal_mask")
+
+
+def _renamed_positions(q, k, v, pos):
+    return HF_CAUSAL(q, k, v, pos)
+
+
+def _renamed_mask(q, k, v, pos, m):
+    return HF_CAUSAL(q, k, v, pos, m)
+
+
+def _documents_and_padding(q, k, v, pos, m):
+    docs = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    i = torch.arange(L)
+    seen = (docs[:, :, None] == docs[:, None, :]) & (i[None, :] <= i[:, None]) & (m[:, None, :] != 0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None])
+
+
+@pytest.mark.parametrize("fn,inputs,want,roles", [
+    (_renamed_positions, (POS,), MaskMeaning(True, True, False, None), {POSITIONS: "l_pos_"}),
+    (_renamed_mask, (POS, PAD), MaskMeaning(True, False, True, None), {PADDING: "l_m_"}),
+    (_documents_and_padding, (POS, PAD), MaskMeaning(True, True, True, None),
+     {POSITIONS: "l_pos_", PADDING: "l_m_"}),
+])
+def test_inputs_are_read_in_the_role_the_probes_prove_whatever_their_names(fn, inputs, want,
+                                                                           roles):
+    meaning, read_as = proving(fn, *qkv(), *inputs)
+    assert meaning == want and read_as == roles
+
+
+INV_FREQ = torch.rand(D)
+
+
+def _documents_of_token_ids(q, k, v, ids, pos):
+    # RoPE rotates by pos, so pos is the positions; a mask of ids' "restarts" is no structure
+    # of them (ids can only be read as the attention mask, which it is not)
+    q = q * torch.cos(pos[:, None, :, None].float() * INV_FREQ)
+    return HF_CAUSAL(q, k, v, ids)
+
+
+EOS = 63  # a token id larger than any position of the probes
+
+
+def _eos_documents(q, k, v, position_ids):
+    # a mask of documents ended by a token id, under the name of the positions
+    docs = torch.cat([torch.zeros_like(position_ids[:, :1]),
+                      (position_ids[:, :-1] == EOS).long()], dim=-1).cumsum(-1)
+    i = torch.arange(L)
+    seen = (docs[:, :, None] == docs[:, None, :]) & (i[None, :] <= i[:, None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None])
+
+
+def _labels_as_padding(q, k, v, labels):
+    i = torch.arange(L)
+    seen = (i[None, :] <= i[:, None]) & (labels[:, None, :] != -100)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None])
+
+
+def _padding_of_ones(q, k, v, attention_mask):
+    # keys marked exactly 1 are real: transformers (and sequence_document_ids) take any nonzero
+    i = torch.arange(L)
+    seen = (i[None, :] <= i[:, None]) & (attention_mask[:, None, :] == 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None])
+
+
+@pytest.mark.parametrize("fn,inputs,words", [
+    (_documents_of_token_ids, (torch.randint(0, 64, (B, L)), POS),
+     ["l_ids_ as the 2-D attention_mask", "the positions are l_pos_, from which RoPE's angle"]),
+    # read on the probes, it is plain causal: no structure of the input it reads
+    (_eos_documents, (torch.randint(0, 64, (B, L)),),
+     ["reading l_position_ids_ as position_ids, it is causal, yet reads l_position_ids_"]),
+    (_labels_as_padding, (torch.randint(0, 64, (B, L)),),
+     ["reading l_labels_ as the 2-D attention_mask, it is causal, yet reads l_labels_"]),
+    (_padding_of_ones, (PAD,), ["reading l_attention_mask_ as the 2-D attention_mask",
+                                "no document/padding/window structure"]),
+])
+def test_what_is_not_positions_or_padding_is_not_read_as_them(fn, inputs, words):
+    with pytest.raises(MaskNotProven) as e:
+        proven(fn, *qkv(), *inputs)
+    for w in words:
+        assert w in str(e.value), str(e.value)

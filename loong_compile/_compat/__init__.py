@@ -13,7 +13,7 @@ This package holds shims only, one module per torch subsystem:
 ==================  ===================================================================
 ``__init__``        the capability table (``has``, ``degraded``, ``warn_degraded``)
 ``distributed``     process groups by name and in ring order, functional collectives, the store
-``dynamo``          the backend registry, the module being compiled, graph-input sources
+``dynamo``          the backend registry, the module being compiled, graph-input sources and kinds
 ``aot``             AOTAutograd, fake tensors, symbolic sizes, the autograd engine
 ``kernels``         the aten flash-attention kernels that return the log-sum-exp, op tags
 ``inductor``        ``compile_fx``, the hook classes Inductor hashes, scheduler nodes, its code

@@ -1,5 +1,6 @@
 """Dynamo shims: the backend registry, the module being compiled, where each graph input came
-from (backend, passes/attention/model_facts.py, checks/inputs.py)."""
+from and whether it is a module's state (backend, passes/attention/model_facts.py and
+input_roles.py, checks/inputs.py)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,17 @@ def placeholder_sources(gm) -> list[str | None]:
         source = getattr(node.meta.get("grapharg"), "source", None)
         names.append(None if source is None else source.name)
     return names
+
+
+def is_module_state(node) -> bool:
+    """Whether a Dynamo graph input is a module's parameter or buffer (the same tensor at every
+    call), not an argument of the call; False where Dynamo left no source.
+
+    Checked against torch 2.13: ``meta["grapharg"].source`` reaches parameters and buffers
+    through ``_parameters[...]`` / ``_buffers[...]``, which
+    ``torch._dynamo.source.is_from_unspecialized_param_buffer_source`` recognises.
+    """
+    from torch._dynamo.source import is_from_unspecialized_param_buffer_source
+
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    return source is not None and is_from_unspecialized_param_buffer_source(source)

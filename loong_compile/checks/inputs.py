@@ -5,7 +5,9 @@ it, and the position ids are how the model learns which: RoPE rotates, and
 learned position embeddings look up, by them.  Position ids that are not the
 layout's (a batch not cut with ``shard_batch``, positions made by hand or for
 another mesh) make every result silently wrong.  So before each call of a graph
-that takes ``position_ids``, each rank compares them with what the layout says
+that takes position ids (whatever the argument's name: the attention pass finds
+them by how they flow, into RoPE's angle or a mask's documents; and the input
+named ``position_ids``), each rank compares them with what the layout says
 it holds (one comparison of a ``(B, S_local)`` integer tensor), and the ranks of
 the sequence exchange their verdicts (one all-reduce of ``2·hp·cp`` integers) so
 that either all of them raise, before the graph's first collective, or none
@@ -79,40 +81,50 @@ def graph_input_index(gm: torch.fx.GraphModule, name: str) -> int | None:
     return None
 
 
-def position_ids_index(gm: torch.fx.GraphModule) -> int | None:
-    """Index of the graph input that is the compiled function's ``position_ids``, or None."""
-    return graph_input_index(gm, "position_ids")
-
-
-def checking_positions(compiled: Callable, gm: torch.fx.GraphModule,
-                       mesh: Any) -> tuple[Callable, dict[str, Any] | None]:
+def checking_positions(compiled: Callable, gm: torch.fx.GraphModule, mesh: Any,
+                       found: dict[int, str]) -> tuple[Callable, dict[str, Any] | None]:
     """``compiled``, checking its position ids before each call when ``gm`` takes them and
     ``mesh`` splits sequences over more than one rank; and the report's summary of that
-    decision (None on one rank of a sequence, where positions are the user's own business)."""
+    decision (None on one rank of a sequence, where positions are the user's own business).
+
+    ``found``: the graph inputs the attention pass found to be positions by how they flow
+    (index -> how); the input named ``position_ids`` is checked too (positions used only as
+    an index, by a learned position embedding, look like token ids to the flow)."""
     if mesh is None or mesh.sp == 1:
         return compiled, None
-    index = position_ids_index(gm)
-    if index is None:
+    found = dict(found)
+    named = graph_input_index(gm, "position_ids")
+    if named is not None:
+        found[named] = ", ".join([found[named], "its name"] if named in found else ["its name"])
+    if not found:
         return compiled, {"matched": 0, "position_ids": None, "result": (
-            "position_ids is no input of this graph: nothing to check at run time (positions "
-            "the model makes from the local length are refused by token_locality)")}
-    check = PositionCheck(mesh, index)
+            "no input of this graph is positions (none is named position_ids, and none reaches "
+            "RoPE's angle or a mask's documents): nothing to check at run time (positions the "
+            "model makes from the local length are refused by token_locality)")}
+    sources = placeholder_sources(gm)
+    checks = [PositionCheck(mesh, index, None if index == named else sources[index])
+              for index in sorted(found)]
 
     def checked(*args: Any) -> Any:
-        check(args)
+        for check in checks:
+            check(args)
         return compiled(*args)
 
-    return checked, {"matched": 1, "position_ids": f"graph input {index}", "result": (
+    return checked, {"matched": len(checks), "position_ids": [
+        f"graph input {index} ({sources[index]}), found by {how}" for index, how in
+        sorted(found.items())], "result": (
         f"compared with the layout of hp={mesh.hp}, cp={mesh.cp} before each call; the "
         f"verdicts of the {mesh.sp} ranks of the sequence are all-reduced")}
 
 
 class PositionCheck:
-    """Compares argument ``index`` (the position ids) with the layout of ``mesh`` at each call."""
+    """Compares argument ``index`` (the position ids; ``source``: where the compiled function
+    got them, when not as ``position_ids``) with the layout of ``mesh`` at each call."""
 
-    def __init__(self, mesh: Any, index: int):
+    def __init__(self, mesh: Any, index: int, source: str | None = None):
         self.mesh = mesh
         self.index = index
+        self.source = source
         self.place = mesh.sp_ranks.index(mesh.rank)
         self._expected: dict[tuple, torch.Tensor] = {}
 
@@ -131,7 +143,8 @@ class PositionCheck:
             self.mesh.sp_ranks, verdicts, refused(verdicts, [bool(f) for f in found[1].tolist()]))
             if bad}
         if failing:
-            raise _error(failing, self.mesh, positions.shape[-1] if positions.dim() else 0, detail)
+            raise _error(failing, self.mesh, positions.shape[-1] if positions.dim() else 0, detail,
+                         self.source)
 
     def verdict(self, positions: torch.Tensor) -> tuple[Verdict, str]:
         """This rank's verdict on ``positions`` and, when not OK, what it holds instead."""
@@ -195,11 +208,13 @@ def describe(positions: torch.Tensor, most: int = 4) -> str:
     return text + (", ..." if len(runs) > most else "")
 
 
-def _error(failing: dict[int, Verdict], mesh: Any, local_len: int, detail: str) -> LoongError:
+def _error(failing: dict[int, Verdict], mesh: Any, local_len: int, detail: str,
+           source: str | None) -> LoongError:
     """The same error class and rule on every rank of the sequence; each adds its own detail."""
     worst = max(failing.values())
     causes = "; ".join(f"rank {rank}: {CAUSES[v]}" for rank, v in sorted(failing.items()))
-    what = (f"position_ids of {local_len} tokens per rank (a {local_len * mesh.sp}-token "
+    given = f" (the compiled function's {source})" if source else ""
+    what = (f"position_ids{given} of {local_len} tokens per rank (a {local_len * mesh.sp}-token "
             f"sequence) do not match the token layout of hp={mesh.hp}, cp={mesh.cp}, "
             f"placement={mesh.placement!r} on ranks {sorted(failing)} ({causes})"
             + (f"; {detail}" if detail else ""))

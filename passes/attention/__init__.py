@@ -6,6 +6,8 @@ Leaves: every attention call replaced by ``loong_compile.ops.attention_2d`` with
 document ids / padding / window (fact ``attention_sites``), for the token-safety stage to trust.
 
 ``attention_2d`` is the pass; ``flash_match`` (flash-attn calls), ``kv_repeat`` (GQA repeats
-removed), ``mask_proof`` (what a mask means, by running its subgraph), ``document_ids``
-(the document-id graph a proven mask becomes) and ``model_facts`` are what it reads with.
+removed), ``mask_proof`` (what a mask means, by running its subgraph), ``input_roles`` (which
+graph inputs are the positions and the attention mask, by how they flow; fact
+``position_inputs`` for the backend's input check), ``document_ids`` (the document-id graph a
+proven mask becomes) and ``model_facts`` are what it reads with.
 """

@@ -2,8 +2,8 @@
 
 One pass, ~370 lines: the call-site rewrite with the checks that decide it (window, RoPE,
 mask causes).  What can stand alone lives beside it: KV-repeat matching (``kv_repeat``),
-flash-attn matching (``flash_match``), the mask proof (``mask_proof``) and the per-graph
-document ids (``document_ids``).
+flash-attn matching (``flash_match``), the mask proof (``mask_proof``), which inputs are the
+positions and the mask (``input_roles``) and the per-graph document ids (``document_ids``).
 
 Contract
 --------
@@ -18,8 +18,9 @@ matches:  ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_cau
 emits:    one ``loong_compile.ops.attention_2d`` call per site, on the un-repeated KV, with the
           mesh's group names as constant arguments; it traces into the seq all-to-all and
           Double-Ring custom ops under AOTAutograd.  A boolean ``attn_mask`` that
-          ``passes/attention/mask_proof.py`` proves to be packed documents (from ``position_ids``), key
-          padding (from the 2-D ``attention_mask``), causality and a window becomes
+          ``passes/attention/mask_proof.py`` proves to be packed documents (from the position ids),
+          key padding (from the 2-D attention mask; either input found by how it flows, whatever
+          its name), causality and a window becomes
           ``document_ids=`` (one ``sequence_document_ids`` call per graph,
           ``passes/attention/document_ids.py``) and ``window=``; the mask's own subgraph dies.  A window
           the local length cannot show (``L <= W < S``) comes from the module's
@@ -35,7 +36,10 @@ refuses:  (``LoongUnsupportedError`` naming the node, its source line, the reaso
 reports:  each rewritten site (source line, module, heads, KV heads, un-repeated or not, causal,
           scale, the mask's proven meaning and the probes run, the window and where it came
           from, the document ids it reads, mesh sizes, the HOP body it sits in); the document-ids
-          calls made; the mask operands dropped from HOP bodies.
+          calls made; the mask operands dropped from HOP bodies; which graph inputs are the
+          positions and the attention mask, and how each was found (``input_roles``).
+provides: ``attention_sites``; ``position_inputs`` (the inputs found to be positions, which the
+          backend's input check compares with the token layout at each call).
 """
 
 from __future__ import annotations
@@ -50,15 +54,15 @@ import torch.fx
 import torch.nn.functional as F
 
 from loong_compile.errors import LoongTokenMixingError, LoongUnsupportedError
-from loong_compile.checks.inputs import graph_input_index
 from loong_compile.ops import attention_2d
-from loong_compile.passes.attention import model_facts
+from loong_compile.passes.attention import input_roles, model_facts
 from loong_compile.passes.base import Pass, PassContext
 from loong_compile.passes.attention.document_ids import DocumentIds
 from loong_compile.passes.attention.flash_match import match_flash_attn
 from loong_compile.passes.fx_util import autocast_dtypes, module_path, source_line
 from loong_compile.passes.attention.kv_repeat import shape, unrepeated_kv
-from loong_compile.passes.attention.mask_proof import PADDING, POSITIONS, MaskMeaning, MaskNotProven, Prover
+from loong_compile.passes.attention.input_roles import Prover
+from loong_compile.passes.attention.mask_proof import MaskMeaning, MaskNotProven
 from loong_compile.passes.subgraphs import Scope, drop_unused_operands, graph_scopes
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
@@ -81,7 +85,7 @@ ATTENTION_SITES = "attention_sites"
 class Attention2DPass(Pass):
     name = "attention_2d"
     stage = "dynamo"
-    provides = (ATTENTION_SITES,)
+    provides = (ATTENTION_SITES, input_roles.POSITION_INPUTS)
 
     def enabled(self, config) -> bool:
         return config.sp > 1
@@ -98,11 +102,8 @@ class Attention2DPass(Pass):
                 _refuse(node, f"it sits inside a {scope.hop} body, whose computation the "
                               "backend cannot rewrite as a whole",
                         "call attention outside the higher-order op, or run with hp=cp=1")
-        placeholders = list(gm.graph.find_nodes(op="placeholder"))
-        inputs = {name: placeholders[i] if i is not None else None
-                  for name in (POSITIONS, PADDING) for i in [graph_input_index(gm, name)]}
-        prover = Prover(scopes, {n: name for name, n in inputs.items() if n is not None})
-        documents = DocumentIds(gm, scopes, inputs, ctx.mesh)
+        prover = Prover(scopes, input_roles.rope_positions(gm, scopes))
+        documents = DocumentIds(gm, scopes, prover.input, ctx.mesh)
         autocast: dict = {}   # (graph, device type) -> autocast's dtype at each node
         rewritten = [_rewrite(scope, node, ctx, root, prover, documents, autocast)
                      | {"inside": scope.hop} for scope, node in sites]
@@ -113,7 +114,8 @@ class Attention2DPass(Pass):
         summary: dict[str, Any] = {"matched": len(sites), "changed": rewritten,
                                    "model": type(root).__name__ if root is not None else None,
                                    "document_ids": documents.summary(),
-                                   "mask_operands_dropped": dropped}
+                                   "mask_operands_dropped": dropped,
+                                   "inputs": input_roles.roles_found(gm, prover, ctx.state)}
         rope = _check_rope(root, rewritten, ctx)
         if rope:
             summary["rope"] = rope

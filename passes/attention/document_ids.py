@@ -13,6 +13,7 @@ attention mask is given): the same ids with every document number set to 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,8 +28,10 @@ class DocumentIds:
     """Makes the document-ids nodes of one graph on demand, each once."""
 
     def __init__(self, gm: torch.fx.GraphModule, scopes: list[Scope],
-                 inputs: dict[str, torch.fx.Node | None], mesh: Any):
-        self.gm, self.scopes, self.inputs, self.mesh = gm, scopes, inputs, mesh
+                 input_of: Callable[[str], torch.fx.Node | None], mesh: Any):
+        """``input_of(role)``: the graph input the proven masks read in ``role``
+        (``Prover.input``), asked when a call needs it."""
+        self.gm, self.scopes, self.input_of, self.mesh = gm, scopes, input_of, mesh
         self._made: dict[Any, torch.fx.Node] = {}
         self._top_nodes: list[torch.fx.Node] = []
 
@@ -47,8 +50,8 @@ class DocumentIds:
         key = (documents, padding)
         if key in self._made:
             return self._made[key]
-        positions = self.inputs.get(POSITIONS)
-        key_padding = self.inputs.get(PADDING) if padding else None
+        positions = self.input_of(POSITIONS)
+        key_padding = self.input_of(PADDING) if padding else None
         if padding and key_padding is None:
             raise MaskNotProven("it reads a key padding that is no input of this graph")
         if documents:

@@ -8,12 +8,13 @@ mask covers only this rank's tokens, so the attention pass must replace it with 
 structure over the global sequence; to do so it must know the structure.
 
 It does not trust names or op patterns for that.  It takes the mask's ancestors (the subgraph
-that computes it, followed into the callers of higher-order-op bodies), requires that subgraph's
-graph inputs to be the position ids and the attention mask (everything else a constant or made
-from constants), and runs it at compile time, on real tensors, on a designed set of probe inputs
-of the local length ``L`` (plain and offset positions, packed documents with boundaries at
-varied places including one-token documents, random positions; with an attention mask: left,
-right and random padding).  Each result is compared with every candidate
+that computes it, followed into the callers of higher-order-op bodies), reads each graph input
+of that subgraph in a role, the position ids or the attention mask (everything else a constant
+or made from constants), and runs it at compile time, on real tensors, on a designed set of
+probe inputs of the local length ``L`` (plain and offset positions, packed documents with
+boundaries at varied places including one-token documents, random positions; with an attention
+mask: left, right and random padding, real tokens marked by varied nonzero values).  Each result
+is compared with every candidate
 
     query i sees key j  iff  doc[i] == doc[j] >= 0  and (causal) j <= i  and (window) i - j < W
 
@@ -22,6 +23,9 @@ where ``doc`` counts documents from the positions (or is 0 everywhere) and is -1
 query's output never reaches real tokens (nobody attends to it), and 2D-Attention gives it zeros.
 Exactly one candidate must match every probe, or the mask is refused (``MaskNotProven``, which
 the attention pass turns into its named error, with what the mask did instead).
+
+Which input is in which role is proven too, never read from a name (``input_roles.Prover``
+tries the readings of a mask's inputs, ``MaskSubgraph.prove`` runs one).
 
 A window ``W >= L`` cannot be seen at length ``L``: the pass takes it from the module.
 The subgraph costs what transformers pays per forward to build its mask (``B x L x L`` booleans),
@@ -38,7 +42,7 @@ import torch
 import torch.fx
 
 from loong_compile._compat.aot import real_tensors
-from loong_compile.passes.subgraphs import Scope, hop_name
+from loong_compile.passes.subgraphs import hop_name
 
 POSITIONS, PADDING = "position_ids", "attention_mask"
 
@@ -54,6 +58,10 @@ class MaskMeaning:
     padding: bool         # keys where the attention mask is 0 are seen by nobody
     window: int | None    # a window seen within the local length (None: none shorter than it)
     probes: tuple[str, ...] = dataclasses.field(default=(), compare=False)  # the evidence
+
+    def reads(self, role: str) -> bool:
+        """Whether the mask depends on the input in ``role``."""
+        return self.documents if role == POSITIONS else self.padding
 
     def describe(self) -> str:
         parts = ["causal" if self.causal else "bidirectional"]
@@ -71,40 +79,6 @@ class Probe:
     name: str
     positions: torch.Tensor           # (L,)
     padding: torch.Tensor | None      # (L,) bool, True = real token; None: no attention mask
-
-
-class Prover:
-    """Proves the masks of one graph, each once (layers share their mask)."""
-
-    def __init__(self, scopes: list[Scope], leaves: dict[torch.fx.Node, str]):
-        """``leaves``: the graph inputs a mask may read (placeholders of the top-level graph)
-        -> ``POSITIONS`` / ``PADDING``."""
-        self.outer = {ph: arg for scope in scopes for ph, arg in scope.operands.items()}
-        self.leaves = leaves
-        self._proven: dict[torch.fx.Node, MaskMeaning | MaskNotProven] = {}
-
-    def prove(self, mask: torch.fx.Node) -> MaskMeaning:
-        """What ``mask`` means, proven on probes; MaskNotProven says why not."""
-        while mask in self.outer:  # a body's operand: the caller's value
-            mask = self.outer[mask]
-        if mask not in self._proven:
-            try:
-                self._proven[mask] = self._prove(mask)
-            except MaskNotProven as e:
-                self._proven[mask] = e
-        found = self._proven[mask]
-        if isinstance(found, MaskNotProven):
-            raise found
-        return found
-
-    def _prove(self, mask: torch.fx.Node) -> MaskMeaning:
-        subgraph = _Subgraph(mask, self.outer, self.leaves)
-        length = _mask_length(mask)
-        probes = probe_inputs(length, PADDING in subgraph.roles)
-        results: list[tuple[Probe, torch.Tensor]] = []
-        for start in range(0, len(probes), subgraph.rows):
-            results += subgraph.evaluate(probes[start:start + subgraph.rows], length)
-        return choose(results, PADDING in subgraph.roles)
 
 
 def choose(results: list[tuple[Probe, torch.Tensor]], reads_padding: bool) -> MaskMeaning:
@@ -191,6 +165,13 @@ def probe_inputs(length: int, with_padding: bool, seed: int = 0) -> list[Probe]:
     return probes
 
 
+def _marked(padding: torch.Tensor) -> torch.Tensor:
+    """An attention mask marking ``padding``'s real tokens by varied nonzero values (1, 2, 3):
+    transformers and ``sequence_document_ids`` read any nonzero value as a real token, and a
+    mask that reads only 1 as one is not that structure."""
+    return padding.long() * (1 + torch.arange(padding.shape[0]) % 3)
+
+
 def _agrees(got: torch.Tensor, want: torch.Tensor, probe: Probe) -> bool:
     rows = probe.padding if probe.padding is not None else slice(None)
     return torch.equal(got[rows], want[rows])
@@ -220,7 +201,7 @@ def _keys(row: torch.Tensor) -> str:
     return str(keys) if len(keys) <= 8 else f"{keys[:8]}... ({len(keys)} keys)"
 
 
-def _mask_length(mask: torch.fx.Node) -> int:
+def mask_length(mask: torch.fx.Node) -> int:
     value = mask.meta.get("example_value")
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         raise MaskNotProven("its shape is unknown")
@@ -235,22 +216,21 @@ def _mask_length(mask: torch.fx.Node) -> int:
     return q
 
 
-class _Subgraph:
-    """The nodes that compute a mask, run as a function of the probe inputs."""
+class MaskSubgraph:
+    """The nodes that compute a mask, run as a function of the probe inputs.
 
-    def __init__(self, mask: torch.fx.Node, outer: dict, leaves: dict[torch.fx.Node, str]):
-        self.mask, self.outer, self.leaves = mask, outer, leaves
-        self.roles: dict[str, torch.fx.Node] = {}
+    ``outer``: each inline higher-order-op body's placeholder -> the caller's value."""
+
+    def __init__(self, mask: torch.fx.Node, outer: dict):
+        self.mask, self.outer = mask, outer
+        self.inputs: list[torch.fx.Node] = []  # the graph inputs it reads
         self._check(mask, set())
-        shapes = [tuple(n.meta["example_value"].shape) for n in self.roles.values()]
-        if any(len(s) != 2 for s in shapes):
-            raise MaskNotProven(f"it reads {', '.join(self.roles)} of shapes {shapes}, not "
-                                "(batch, tokens)")
-        # probes per run: one per row of the inputs (a one-row input: one probe per run)
-        self.rows = min([s[0] for s in shapes] or [1])
+        self.length = mask_length(mask)
+        value = mask.meta["example_value"]
+        self.batch = value.shape[0] if value.dim() == 4 else 1  # rows: 1 where it broadcasts
 
     def _check(self, node: Any, seen: set) -> None:
-        """Every graph input the mask reads is a leaf; no op whose effect hides elsewhere."""
+        """Find the graph inputs the mask reads; refuse an op whose effect hides elsewhere."""
         todo = [node]
         while todo:
             n = todo.pop()
@@ -260,11 +240,8 @@ class _Subgraph:
             if n.op == "placeholder":
                 if n in self.outer:
                     todo.append(self.outer[n])
-                elif n in self.leaves:
-                    self.roles[self.leaves[n]] = n
                 else:
-                    raise MaskNotProven(f"it is computed from the graph input {n.name}, which is "
-                                        "neither position_ids nor the 2-D attention_mask")
+                    self.inputs.append(n)
                 continue
             if n.op == "call_module" or hop_name(n) is not None \
                     or "functorch" in (getattr(n.target, "__module__", None) or ""):
@@ -272,17 +249,30 @@ class _Subgraph:
                                     "does not evaluate on probes")
             todo.extend(n.all_input_nodes)
 
-    def evaluate(self, chunk: list[Probe], length: int) -> list[tuple[Probe, torch.Tensor]]:
+    def prove(self, roles: dict[torch.fx.Node, str]) -> MaskMeaning:
+        """The meaning of the mask with each input of ``roles`` (every input it reads ->
+        ``POSITIONS`` / ``PADDING``) fed its role's probes."""
+        # probes per run: one per row of the inputs (a one-row input: one probe per run)
+        rows = min([n.meta["example_value"].shape[0] for n in roles] or [1])
+        probes = probe_inputs(self.length, PADDING in roles.values())
+        results: list[tuple[Probe, torch.Tensor]] = []
+        for start in range(0, len(probes), rows):
+            results += self._evaluate(probes[start:start + rows], roles)
+        return choose(results, PADDING in roles.values())
+
+    def _evaluate(self, chunk: list[Probe],
+                  roles: dict[torch.fx.Node, str]) -> list[tuple[Probe, torch.Tensor]]:
         """``(probe, (L, L) mask)`` for each row of the mask, row ``b`` fed ``chunk[b % n]``."""
         env: dict[torch.fx.Node, Any] = {}
-        for role, node in self.roles.items():
+        for node, role in roles.items():
             value = node.meta["example_value"]
             rows = [chunk[b % len(chunk)] for b in range(value.shape[0])]
-            stacked = torch.stack([p.positions if role == POSITIONS else p.padding for p in rows])
+            stacked = torch.stack([p.positions if role == POSITIONS else _marked(p.padding)
+                                   for p in rows])
             env[node] = stacked.to(device=value.device, dtype=value.dtype)
         with real_tensors(), torch.no_grad():
             mask = self._run(self.mask, env)
-        if mask.dim() > 4 or tuple(mask.shape[-2:]) != (length, length):
+        if mask.dim() > 4 or tuple(mask.shape[-2:]) != (self.length, self.length):
             raise MaskNotProven(f"it has shape {tuple(mask.shape)}")
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).cpu()
         if not (mask == mask[:, :1]).all():
