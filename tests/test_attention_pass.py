@@ -202,6 +202,24 @@ def mla_keys(kv, k_rot, nope):
     return keys
 
 
+def test_value_head_dim_of_its_own_is_carried():
+    """MLA: q/k heads of 24, v heads of 16, as SDPA takes them; the output has v's head dim."""
+    def fn(q, kv, k_rot):
+        v = kv[..., 16:]
+        return F.scaled_dot_product_attention(q, mla_keys(kv, k_rot, 16), v, is_causal=True)
+
+    g = torch.Generator().manual_seed(0)
+    q, kv, k_rot = (torch.randn(*shape, generator=g) for shape in
+                    ((B, H, S, 24), (B, H, S, 32), (B, 1, S, 8)))
+    gm = dynamo_graph(fn, q, kv, k_rot)
+    summary, _ = run_pass(gm)
+    (node,) = calls(gm, attention_2d)
+    assert node.meta["example_value"].shape == (B, H, S, 16)
+    (site,) = summary["changed"]
+    assert (site["head_dim"], site["value_head_dim"]) == (24, 16)
+    assert site["scale"] == pytest.approx(24 ** -0.5)  # SDPA's default: q's head dim
+
+
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_in_place_writes_survive_the_rewrite(checkpointed):
     """The rewrite removes what only the replaced calls read; an in-place write reads as unused
