@@ -142,17 +142,18 @@ def nbytes(node: torch.fx.Node) -> int:
 
 def node_flops(node: torch.fx.Node) -> int:
     """FLOPs of one node from its fake values: matmuls via PyTorch's flop formulas, attention
-    as 4·B·H·Sq·Sk·D (half of it when causal); everything else counts as 0."""
+    as 2·B·H·Sq·Sk·(D + D_v) (scores, then values; half of it when causal); everything else
+    counts as 0."""
     if node.op != "call_function" or not hasattr(node.target, "overloadpacket"):
         return 0
     vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
     if is_attention(node):
-        q, k = vals[0], vals[1]
+        q, k, v = vals[0], vals[1], vals[2]
         named = node.normalized_arguments(None, normalize_to_only_use_kwargs=True)
         named = named.kwargs if named is not None else {}
         b, h, sq, d = q.shape
         # the ring op sees one KV chunk at a time; its queries meet all cp chunks
-        flops = 4 * b * h * sq * k.shape[-2] * d * named.get("cp", 1)
+        flops = 2 * b * h * sq * k.shape[-2] * (d + v.shape[-1]) * named.get("cp", 1)
         return flops // 2 if named.get("is_causal", False) else flops
     formula = flop_registry.get(node.target.overloadpacket)
     if formula is None:

@@ -9,6 +9,7 @@ analysis) walk the top-level graph and every body through ``graph_scopes``.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx
@@ -94,7 +95,7 @@ def drop_unused_operands(scopes: list[Scope]) -> int:
     them dies in the caller too.  Returns how many operands were dropped."""
     dropped = 0
     for scope in reversed(scopes):
-        scope.module.graph.eliminate_dead_code()
+        _eliminate_dead_code(scope.module.graph)
         if scope.hop is None or not scope.inline:
             continue
         args = list(scope.caller.args)
@@ -110,3 +111,30 @@ def drop_unused_operands(scopes: list[Scope]) -> int:
                 dropped += 1
         scope.caller.args = tuple(args)
     return dropped
+
+
+# Augmented assignments write into their left operand; Dynamo records them as these functions.
+_IN_PLACE_OPERATORS = frozenset((operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                                 operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+                                 operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                                 operator.irshift))
+
+
+def _writes_in_place(node: torch.fx.Node) -> bool:
+    """Whether a torch-IR node writes into an input: an in-place method or function (``copy_``,
+    ``torch.relu_``), an augmented assignment, or ``inplace=True``."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    if getattr(node.target, "__module__", None) in ("_operator", "operator"):  # and_, not_: pure
+        return node.target in _IN_PLACE_OPERATORS
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True
+
+
+def _eliminate_dead_code(graph: torch.fx.Graph) -> None:
+    """FX's dead-code elimination of this graph alone (each scope gets its own call), keeping
+    in-place writes: FX counts a method call pure, yet in torch IR ``k[..., :d].copy_(x)`` (how
+    transformers' DeepSeek-V3 fills its keys) is unused as a value and needed for what it wrote."""
+    for node in reversed(graph.nodes):
+        if not node.users and not node.is_impure() and not _writes_in_place(node):
+            graph.erase_node(node)

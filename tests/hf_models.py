@@ -91,10 +91,20 @@ def _exaone4(attn, window):
         layer_types=["sliding_attention", "full_attention"]))
 
 
+def _deepseek_v3(attn, window):
+    # MLA: q/k heads of 24 (16 without RoPE + 8 with, interleaved), v heads of 16, keys and values
+    # from a rank-16 latent, queries from a rank-16 one (q_lora_rank, as DeepSeek-V3 itself), as
+    # many KV heads as heads; the MLP dense in every layer (the experts' sort is the MoE work)
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        **_common(attn) | {"num_key_value_heads": 4}, q_lora_rank=16, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=LAYERS))
+
+
 ARCHITECTURES = {
     "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "gemma3": _gemma3,
     "phi3": _phi3, "olmo2": _olmo2, "gpt_neox": _gpt_neox, "gpt2": _gpt2,
-    "starcoder2": _starcoder2, "exaone4": _exaone4,
+    "starcoder2": _starcoder2, "exaone4": _exaone4, "deepseek_v3": _deepseek_v3,
 }
 WINDOWED = ("qwen2", "qwen3", "mistral", "gemma3", "phi3", "starcoder2", "exaone4")
 

@@ -169,18 +169,19 @@ def test_inductor_compile_matches_eager(four_ranks):
         assert not any(result["zero_grads"])
 
 
-def test_opcheck_with_transposed_inputs_one_process():
+@pytest.mark.parametrize("v_head_dim", [16, 8])  # V's own head dim (MLA)
+def test_opcheck_with_transposed_inputs_one_process(v_head_dim):
     """Models hand attention (B, S, H, D)-major views; the fake kernels must predict the real
-    outputs' strides for them too, or AOTAutograd plans views that fail at run time."""
+    outputs' shapes and strides for them too, or AOTAutograd plans views that fail at run time."""
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 8, heads, 16, generator=gen, dtype=torch.float64).transpose(1, 2)
-               for heads in (4, 2, 2))
+    q, k, v = (torch.randn(2, 8, heads, d, generator=gen, dtype=torch.float64).transpose(1, 2)
+               for heads, d in ((4, 16), (2, 16), (2, v_head_dim)))
     args = (True, 0.25, 1, 1, "", "", "", "")
     fwd = torch.library.opcheck(torch.ops.loong.ring_attention_fwd,
                                 (q.clone().requires_grad_(), k.clone().requires_grad_(),
                                  v.clone().requires_grad_(), *args))
     out, lse = torch.ops.loong.ring_attention_fwd(q, k, v, *args)
-    dout = torch.randn(2, 8, 4, 16, generator=gen, dtype=torch.float64).transpose(1, 2)
+    dout = torch.randn(2, 8, 4, v_head_dim, generator=gen, dtype=torch.float64).transpose(1, 2)
     bwd = torch.library.opcheck(torch.ops.loong.ring_attention_bwd, (dout, q, k, v, out, lse, *args))
     for result in (fwd, bwd):
         assert set(result.values()) == {"SUCCESS"}, result

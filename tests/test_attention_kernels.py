@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from loong_compile.errors import LoongShapeError
 from loong_compile.parallel.mesh import init_mesh
 from loong_compile.ops import attention_2d, merge_partial
 from loong_compile.ops.kernels import (
@@ -54,18 +55,21 @@ KERNELS = {"adapter": (attention_forward, attention_backward), "math": (
 @pytest.mark.parametrize("is_causal", [True, False])
 @pytest.mark.parametrize("heads,kv_heads,q_len,kv_len", [(6, 6, 10, 10), (6, 2, 10, 10),
                                                          (4, 1, 6, 10), (4, 2, 10, 6)])
-def test_kernel_matches_sdpa(kernel, dtype, is_causal, heads, kv_heads, q_len, kv_len):
+@pytest.mark.parametrize("v_head_dim", [40, 24, 56])  # V's own head dim (MLA): narrower, wider
+def test_kernel_matches_sdpa(kernel, dtype, is_causal, heads, kv_heads, q_len, kv_len, v_head_dim):
     if is_causal and q_len != kv_len:
         pytest.skip("causal blocks are square in the ring")
     forward, backward = KERNELS[kernel]
-    q, dout = _random((2, heads, q_len, 40), dtype, 0), _random((2, heads, q_len, 40), dtype, 1)
-    k, v = (_random((2, kv_heads, kv_len, 40), dtype, seed) for seed in (2, 3))
+    q = _random((2, heads, q_len, 40), dtype, 0)
+    dout = _random((2, heads, q_len, v_head_dim), dtype, 1)
+    k = _random((2, kv_heads, kv_len, 40), dtype, 2)
+    v = _random((2, kv_heads, kv_len, v_head_dim), dtype, 3)
     scale = 0.3
     out, lse = forward(q, k, v, is_causal=is_causal, scale=scale)
     grads = backward(dout, q, k, v, out, lse, is_causal=is_causal, scale=scale)
     want = _reference(q, k, v, dout, is_causal, scale)
     assert out.dtype == dtype and lse.dtype == torch.promote_types(dtype, torch.float32)
-    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert [t.shape for t in (out, *grads)] == [dout.shape, q.shape, k.shape, v.shape]
     for got, ref in zip((out, lse, *grads), want):
         assert _rel(got, ref) <= TOLERANCE[dtype]
 
@@ -120,11 +124,13 @@ def test_merge_is_stable_for_far_apart_lse():
     assert out.item() == 1.0 and lse.item() == 1000.0
 
 
-def test_single_process_attention_equals_sdpa_without_distributed():
+@pytest.mark.parametrize("v_head_dim", [40, 24])
+def test_single_process_attention_equals_sdpa_without_distributed(v_head_dim):
     mesh = init_mesh()
     assert mesh.sp == 1 and mesh.device_mesh is None
-    q, dout = _random((1, 6, 12, 40), torch.float64, 0), _random((1, 6, 12, 40), torch.float64, 1)
-    k, v = _random((1, 2, 12, 40), torch.float64, 2), _random((1, 2, 12, 40), torch.float64, 3)
+    q, k = _random((1, 6, 12, 40), torch.float64, 0), _random((1, 2, 12, 40), torch.float64, 2)
+    v = _random((1, 2, 12, v_head_dim), torch.float64, 3)
+    dout = _random((1, 6, 12, v_head_dim), torch.float64, 1)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = attention_2d(*leaves, is_causal=True, scale=None, return_lse=True,
                             **mesh.attention_kwargs())
@@ -133,3 +139,17 @@ def test_single_process_attention_equals_sdpa_without_distributed():
     for got, ref in zip((out, lse, *grads), want):
         assert _rel(got, ref) <= 1e-12
     assert not lse.requires_grad
+
+
+@pytest.mark.parametrize("what,k_shape,v_shape", [
+    ("k's head dim", (1, 2, 12, 16), (1, 2, 12, 40)),
+    ("v's tokens", (1, 2, 12, 40), (1, 2, 10, 24)),
+    ("v's heads", (1, 2, 12, 40), (1, 3, 12, 24)),
+    ("v's batch", (1, 2, 12, 40), (2, 2, 12, 24)),
+])
+def test_inconsistent_shapes_are_refused_by_name(what, k_shape, v_shape):
+    """V may have its own head dim, nothing else of its own; k has q's head dim."""
+    q = torch.randn(1, 6, 12, 40)
+    with pytest.raises(LoongShapeError, match="D_v") as error:
+        attention_2d(q, torch.randn(k_shape), torch.randn(v_shape), is_causal=True)
+    assert f"k {k_shape}, v {v_shape}" in str(error.value) and "fix:" in str(error.value), what

@@ -194,6 +194,55 @@ def test_attention_inside_activation_checkpointing_is_rewritten():
     assert not any(n.target is F.scaled_dot_product_attention for m in bodies for n in m.graph.nodes)
 
 
+def mla_keys(kv, k_rot, nope):
+    """Keys as transformers' DeepSeek-V3 builds them: written in place into an empty tensor."""
+    keys = kv.new_empty(*kv.shape[:-1], nope + k_rot.size(-1))
+    keys[..., :nope].copy_(kv[..., :nope])
+    keys[..., nope:].copy_(k_rot.expand(-1, kv.size(1), -1, -1))
+    return keys
+
+
+def test_value_head_dim_of_its_own_is_carried():
+    """MLA: q/k heads of 24, v heads of 16, as SDPA takes them; the output has v's head dim."""
+    def fn(q, kv, k_rot):
+        v = kv[..., 16:]
+        return F.scaled_dot_product_attention(q, mla_keys(kv, k_rot, 16), v, is_causal=True)
+
+    g = torch.Generator().manual_seed(0)
+    q, kv, k_rot = (torch.randn(*shape, generator=g) for shape in
+                    ((B, H, S, 24), (B, H, S, 32), (B, 1, S, 8)))
+    gm = dynamo_graph(fn, q, kv, k_rot)
+    summary, _ = run_pass(gm)
+    (node,) = calls(gm, attention_2d)
+    assert node.meta["example_value"].shape == (B, H, S, 16)
+    (site,) = summary["changed"]
+    assert (site["head_dim"], site["value_head_dim"]) == (24, 16)
+    assert site["scale"] == pytest.approx(24 ** -0.5)  # SDPA's default: q's head dim
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_in_place_writes_survive_the_rewrite(checkpointed):
+    """The rewrite removes what only the replaced calls read; an in-place write reads as unused
+    (nothing takes its result) and must stay: without it the keys are uninitialised memory."""
+    def layer(q, kv, k_rot):
+        return F.scaled_dot_product_attention(q, mla_keys(kv, k_rot, 8), kv, is_causal=True)
+
+    def fn(q, kv, k_rot):
+        if checkpointed:
+            return torch.utils.checkpoint.checkpoint(layer, q, kv, k_rot, use_reentrant=False)
+        return layer(q, kv, k_rot)
+
+    g = torch.Generator().manual_seed(0)
+    q, kv, k_rot = (torch.randn(*shape, generator=g) for shape in
+                    ((B, H, S, D), (B, H, S, 16), (B, 1, S, 8)))
+    gm = dynamo_graph(fn, q, kv, k_rot)
+    run_pass(gm)
+    graphs = [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+    (call,) = [n for graph in graphs for n in graph.nodes if n.target is attention_2d]
+    writes = [n for n in call.graph.nodes if n.target == "copy_"]
+    assert len(writes) == 2 and all(w < call for w in writes)
+
+
 class Windowed(torch.nn.Module):
     """An attention module with transformers' attribute, called without a mask."""
 

@@ -4,7 +4,8 @@
   LSE, the output and its gradient as contiguous memory from their data
   pointers.  ``strict_flash_backward`` is the CPU kernel fed exactly that
   (tests/stand_ins/kernel_layout.py), put in the place of the kernels.
-* Head dims: the CUDA flash kernels take multiples of 8 only.
+* Head dims: the CUDA flash kernels take one head dim for q, k and v, a multiple
+  of 8 (MLA's V, narrower than Q/K, is padded to it).
 * flash-attn 2.7-2.8 registers ``torch.ops.flash_attn.*`` (the stand-in package
   in tests/stand_ins/flash_attn mirrors its interface and op namespace).
 * Ops that communicate or move data to the host are tagged ``cudagraph_unsafe``.
@@ -26,16 +27,17 @@ from loong_compile.testing import run_distributed
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
-def require_head_dim_multiple_of_8(*tensors) -> None:
-    for t in tensors:
-        if t.size(-1) % 8:
-            raise RuntimeError(f"head_size must be a multiple of 8, got {t.size(-1)} (CUDA flash)")
+def require_one_head_dim_multiple_of_8(*tensors) -> None:
+    sizes = {t.size(-1) for t in tensors}
+    if len(sizes) != 1 or next(iter(sizes)) % 8:
+        raise RuntimeError(f"head sizes {sorted(sizes)}: one head size, a multiple of 8 "
+                           "(CUDA flash)")
 
 
 def strict_flash_forward(q, k, v, is_causal, scale):
     """The CPU kernel's results in the CUDA kernel's layouts (the CPU LSE is (B, S, H) in
     memory, the CUDA kernels' is (B, H, S))."""
-    require_head_dim_multiple_of_8(q, k, v)
+    require_one_head_dim_multiple_of_8(q, k, v)
     return tuple(t.contiguous() for t in sdpa_flash_cpu(q, k, v, is_causal, scale))
 
 
@@ -43,7 +45,7 @@ def strict_flash_backward(dout, q, k, v, out, lse, is_causal, scale):
     """The CPU kernel given what the CUDA kernels read: lse/out/dout as raw contiguous memory."""
     from kernel_layout import kernel_reads
 
-    require_head_dim_multiple_of_8(dout, q, k, v, out)
+    require_one_head_dim_multiple_of_8(dout, q, k, v, out)
     return sdpa_flash_cpu_backward(kernel_reads(dout), q, k, v, kernel_reads(out),
                                    kernel_reads(lse), is_causal, scale)
 
@@ -60,11 +62,21 @@ def relative_errors(got, want) -> list[float]:
     return [((g.double() - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want)]
 
 
-def random_qkv_dout(heads, kv_heads, seq, head_dim, dtype, seed=0):
+def random_qkv_dout(heads, kv_heads, seq, head_dim, dtype, seed=0, v_head_dim=None):
+    """q, k, v and out's gradient; v (and out) of ``v_head_dim`` when given (MLA)."""
+    v_head_dim = v_head_dim or head_dim
     gen = torch.Generator().manual_seed(seed)
-    q, dout = (torch.randn(2, heads, seq, head_dim, generator=gen, dtype=dtype) for _ in range(2))
-    k, v = (torch.randn(2, kv_heads, seq, head_dim, generator=gen, dtype=dtype) for _ in range(2))
+    q, k = (torch.randn(2, n, seq, head_dim, generator=gen, dtype=dtype) for n in (heads, kv_heads))
+    v = torch.randn(2, kv_heads, seq, v_head_dim, generator=gen, dtype=dtype)
+    dout = torch.randn(2, heads, seq, v_head_dim, generator=gen, dtype=dtype)
     return q, k, v, dout
+
+
+def cuda_kernel(kernel: str) -> kernels.Kernel:
+    """The adapter's CUDA kernel entry (on CPU tensors: its kernels are the stand-ins)."""
+    path = {"flash_attn": (kernels._flash_attn_forward, kernels._flash_attn_backward),
+            "aten_flash": (kernels._cuda_forward, kernels._cuda_backward)}[kernel]
+    return kernels.Kernel(*path, kernel, kernels.CUDA_HEAD_DIM_MULTIPLE)
 
 
 # --- layout: LSE / out / dout reach the kernels contiguous ------------------------
@@ -83,22 +95,19 @@ def test_adapter_hands_kernels_contiguous_row_slices(stand_ins, monkeypatch):
     assert max(relative_errors(got, want)) < TOLERANCE[torch.float64]
 
 
-def _ring_under_strict_kernels(rank, world, kernel, dtype, head_dim):
+def _ring_under_strict_kernels(rank, world, kernel, dtype, head_dim, v_head_dim):
     """cp=2: each rank's blocks include a half-row block (rows S/2: of out and lse)."""
     # CPU tensors routed to a CUDA path of the adapter, in this spawned rank only
     if kernel == "flash_attn":
         import flash_attn  # noqa: F401  the stand-in registers torch.ops.flash_attn.*
-
-        path = kernels._flash_attn_forward, kernels._flash_attn_backward
     else:
         kernels.sdpa_flash_cuda = strict_flash_forward
         kernels.sdpa_flash_cuda_backward = strict_flash_backward
-        path = kernels._cuda_forward, kernels._cuda_backward
-    kernels._kernel = lambda q: (*path, kernel)
+    kernels._kernel = lambda q: cuda_kernel(kernel)
     mesh = init_mesh(hp=1, cp=world)
     seq = 2 * sequence_divisor(world, 1)
     index = mesh_token_indices(seq, mesh)
-    q, k, v, dout = random_qkv_dout(4, 2, seq, head_dim, dtype, seed=7)
+    q, k, v, dout = random_qkv_dout(4, 2, seq, head_dim, dtype, seed=7, v_head_dim=v_head_dim)
     want = reference(q, k, v, dout, True)
     local = [t[:, :, index].requires_grad_() for t in (q, k, v)]
     out = attention_2d(*local, is_causal=True, **mesh.attention_kwargs())
@@ -107,36 +116,48 @@ def _ring_under_strict_kernels(rank, world, kernel, dtype, head_dim):
                     relative_errors(got, (w[:, :, index] for w in want))))
 
 
-@pytest.mark.parametrize("kernel, dtype, head_dim", [("aten_flash", torch.float64, 16),
-                                                     ("flash_attn", torch.float32, 12)])
-def test_ring_attention_exact_under_strict_kernels(stand_ins, kernel, dtype, head_dim):
-    errors = run_distributed(_ring_under_strict_kernels, 2, kernel, dtype, head_dim, timeout=120)
+@pytest.mark.parametrize("kernel, dtype, head_dim, v_head_dim",
+                         [("aten_flash", torch.float64, 16, 16),
+                          ("flash_attn", torch.float32, 12, 12),
+                          ("aten_flash", torch.float64, 24, 16)])  # MLA: V narrower than Q/K
+def test_ring_attention_exact_under_strict_kernels(stand_ins, kernel, dtype, head_dim, v_head_dim):
+    errors = run_distributed(_ring_under_strict_kernels, 2, kernel, dtype, head_dim, v_head_dim,
+                             timeout=120)
     assert all(e < TOLERANCE[dtype] for rank in errors for e in rank.values()), errors
 
 
-# --- PyTorch's CUDA flash kernel: head dims padded to a multiple of 8 ------------
+# --- PyTorch's CUDA flash kernel: one head dim, padded to a multiple of 8 ---------
 
-@pytest.mark.parametrize("head_dim", [12, 16])
-def test_cuda_flash_path_pads_head_dim(stand_ins, monkeypatch, head_dim):
+# (q/k head dim, v head dim): padded to 16; MLA's V narrower and wider than Q/K
+HEAD_DIMS = [(12, 12), (16, 16), (16, 12), (12, 16)]
+
+
+@pytest.mark.parametrize("head_dim, v_head_dim", HEAD_DIMS)
+def test_cuda_flash_path_pads_head_dims(stand_ins, monkeypatch, head_dim, v_head_dim):
     monkeypatch.setattr(kernels, "sdpa_flash_cuda", strict_flash_forward)
     monkeypatch.setattr(kernels, "sdpa_flash_cuda_backward", strict_flash_backward)
-    q, k, v, dout = random_qkv_dout(4, 2, 16, head_dim, torch.float64)
+    monkeypatch.setattr(kernels, "_kernel", lambda q: cuda_kernel("aten_flash"))
+    q, k, v, dout = random_qkv_dout(4, 2, 16, head_dim, torch.float64, v_head_dim=v_head_dim)
     scale = 0.3  # not 1/sqrt(any head dim): the caller's scale goes to the kernel unchanged
-    out, lse = kernels._cuda_forward(q, k, v, True, scale)
-    grads = kernels._cuda_backward(dout, q, k, v, out.contiguous(), lse, True, scale)
+    out, lse = kernels.attention_forward(q, k, v, is_causal=True, scale=scale)
+    grads = kernels.attention_backward(dout, q, k, v, out, lse, is_causal=True, scale=scale)
     want = reference(q, k, v, dout, True, scale)
+    assert [t.shape for t in (out, *grads)] == [dout.shape, q.shape, k.shape, v.shape]
     assert max(relative_errors((out, *grads), want)) < TOLERANCE[torch.float64]
 
 
 # --- flash-attn 2.7-2.8: torch.ops.flash_attn.* -------------------------------------
 
-def test_flash_attn_adapter_through_flash_attn_ops(flash_attn_stand_in):
-    """The adapter's flash-attn path (CUDA-only in use) called directly on CPU through the
-    stand-in's torch.ops.flash_attn ops: layout (B, S, H, D), head dim 12 padded, GQA."""
+@pytest.mark.parametrize("head_dim, v_head_dim", HEAD_DIMS)
+def test_flash_attn_adapter_through_flash_attn_ops(flash_attn_stand_in, monkeypatch, head_dim,
+                                                   v_head_dim):
+    """The adapter's flash-attn path (CUDA-only in use) on CPU through the stand-in's
+    torch.ops.flash_attn ops: layout (B, S, H, D), one head dim padded to 16, GQA."""
     assert kernels._flash_attn_usable()
-    q, k, v, dout = random_qkv_dout(4, 2, 16, 12, torch.float32)
-    out, lse = kernels._flash_attn_forward(q, k, v, True, 0.3)
-    grads = kernels._flash_attn_backward(dout, q, k, v, out, lse, True, 0.3)
+    monkeypatch.setattr(kernels, "_kernel", lambda q: cuda_kernel("flash_attn"))
+    q, k, v, dout = random_qkv_dout(4, 2, 16, head_dim, torch.float32, v_head_dim=v_head_dim)
+    out, lse = kernels.attention_forward(q, k, v, is_causal=True, scale=0.3)
+    grads = kernels.attention_backward(dout, q, k, v, out, lse, is_causal=True, scale=0.3)
     want = reference(q, k, v, dout, True, 0.3)
     assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
     assert max(relative_errors((out, *grads), want)) < TOLERANCE[torch.float32]

@@ -104,19 +104,21 @@ MASKED_KERNELS = {"adapter": (attention_forward, attention_backward), "math": (
 
 @pytest.mark.parametrize("kernel", sorted(MASKED_KERNELS))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_masked_kernel_gives_zero_output_and_minus_inf_lse_for_empty_rows(kernel, dtype):
+@pytest.mark.parametrize("v_head_dim", [8, 12])  # V's own head dim (MLA)
+def test_masked_kernel_gives_zero_output_and_minus_inf_lse_for_empty_rows(kernel, dtype,
+                                                                          v_head_dim):
     forward, backward = MASKED_KERNELS[kernel]
     gen = torch.Generator().manual_seed(0)
-    q, dout = (torch.randn(2, 4, 6, 8, generator=gen, dtype=torch.float64).to(dtype)
-               for _ in range(2))
-    k, v = (torch.randn(2, 2, 5, 8, generator=gen, dtype=torch.float64).to(dtype)
-            for _ in range(2))
+    q, dout, k, v = (torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+                     for shape in ((2, 4, 6, 8), (2, 4, 6, v_head_dim), (2, 2, 5, 8),
+                                   (2, 2, 5, v_head_dim)))
     mask = torch.rand(2, 1, 6, 5, generator=gen) < 0.6
     mask[0, 0, 1] = False   # rows that see nothing
     mask[1, 0, 4] = False
     out, lse = forward(q, k, v, is_causal=False, scale=0.3, mask=mask)
     grads = backward(dout, q, k, v, out, lse, is_causal=False, scale=0.3, mask=mask)
     empty = ~mask.any(-1).expand(2, 4, 6)
+    assert [t.shape for t in (out, *grads)] == [dout.shape, q.shape, k.shape, v.shape]
     assert torch.isinf(lse[empty]).all() and (lse[empty] < 0).all()
     assert (out[empty] == 0).all() and (grads[0][empty] == 0).all()
     assert all(torch.isfinite(g).all() for g in (out, *grads))
@@ -165,12 +167,13 @@ def test_bad_masks_are_refused(kwargs, what):
     assert what in str(error.value)
 
 
-def test_opcheck_masked_ops_and_document_ids_on_one_process():
+@pytest.mark.parametrize("v_head_dim", [8, 12])  # V's own head dim (MLA)
+def test_opcheck_masked_ops_and_document_ids_on_one_process(v_head_dim):
     """Fake kernels, schemas and autograd registration of the new ops (cp = hp = 1: no group)."""
     gen = torch.Generator().manual_seed(5)
     ids = random_documents(gen, 2, 16, 1, 2)
-    q, k, v, dout = (torch.randn(2, 2, 16, 8, generator=gen, dtype=torch.float64)
-                     for _ in range(4))
+    q, k, v, dout = (torch.randn(2, 2, 16, d, generator=gen, dtype=torch.float64)
+                     for d in (8, 8, v_head_dim, v_head_dim))
     args = (ids, True, 5, 0.3, 1, "")
     out, lse = torch.ops.loong.masked_attention_fwd(q, k, v, *args)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

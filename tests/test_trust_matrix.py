@@ -1,4 +1,5 @@
-"""Exact or refused: eleven Hugging Face architectures x attention x windows x users' habits.
+"""Exact or refused: the Hugging Face architectures of tests/hf_models.py x attention x windows
+x users' habits.
 
 Every case runs one training step under backend="loong" (aot_eager, float64 unless bf16) on
 2 gloo ranks and is either equal to one process on the full sequence (loss and gradients) or
@@ -39,7 +40,8 @@ HP_CASES = [Case("mistral", window=WINDOW_SHORT), Case("llama"), Case("qwen3", h
             Case("gpt_neox", habit="labels"), Case("gemma3"),
             Case("llama", habit="packed_use_cache_false"), Case("qwen2", habit="padding"),
             Case("gemma3", window=WINDOW_SHARD, habit="packed_use_cache_false"),
-            Case("llama", habit="autocast_bf16"), Case("exaone4", window=WINDOW_SHORT)]
+            Case("llama", habit="autocast_bf16"), Case("exaone4", window=WINDOW_SHORT),
+            Case("deepseek_v3")]
 
 
 @pytest.fixture(scope="module")

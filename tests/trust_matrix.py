@@ -74,6 +74,7 @@ def all_cases() -> list[Case]:
               for habit in ("plain", "packed_use_cache_false")]
     cases += [Case(arch, window=WINDOW_SHARD, habit="padding") for arch in ("qwen2", "mistral")]
     cases += [Case("exaone4", window=WINDOW_SHARD)]
+    cases += [Case("deepseek_v3", habit="packed_use_cache_false")]  # MLA in the masked exchange
     return cases
 
 

@@ -4,6 +4,7 @@ without a CUDA GPU (or what it needs) and ``AssertionError`` when the GPU disagr
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 
 import torch
@@ -61,14 +62,15 @@ def check_kernels(figures: dict) -> str:
     device = require_cuda()
     gen = torch.Generator(device).manual_seed(0)
     errors = []
-    for dtype in TOLERANCE:
-        shape = (1, 8, 2048, 128)
-        q = torch.randn(shape, device=device, dtype=dtype, generator=gen)
-        k, v = (torch.randn((1, 2, 2048, 128), device=device, dtype=dtype, generator=gen)
-                for _ in range(2))
+    # (q/k head dim, v head dim): Llama's, and DeepSeek-V3's MLA (v padded to 192 for the kernels)
+    for (head_dim, v_head_dim), dtype in itertools.product(((128, 128), (192, 128)), TOLERANCE):
+        q = torch.randn((1, 8, 2048, head_dim), device=device, dtype=dtype, generator=gen)
+        k, v = (torch.randn((1, 2, 2048, d), device=device, dtype=dtype, generator=gen)
+                for d in (head_dim, v_head_dim))
         for name in _kernel_adapters():
             for block, bq, bk, bv, causal in _ring_blocks(q, k, v):
-                dout = torch.randn_like(bq)
+                dout = torch.randn((*bq.shape[:3], v_head_dim), device=device, dtype=dtype,
+                                   generator=gen)
                 scale = bq.size(-1) ** -0.5
                 with _with_adapter(name):
                     assert kernels.kernel_name(bq) == name, kernels.kernel_name(bq)
@@ -79,7 +81,8 @@ def check_kernels(figures: dict) -> str:
                                                             is_causal=causal, scale=scale)
                 want = sdpa_reference(*(t.double() for t in (bq, bk, bv, dout)), is_causal=causal)
                 err = max(relative_error(g, w) for g, w in zip((out, dq, dk, dv), want))
-                key = f"{name} {str(dtype)[6:]} {block}"
+                mla = "" if head_dim == v_head_dim else f" D={head_dim} D_v={v_head_dim}"
+                key = f"{name} {str(dtype)[6:]} {block}{mla}"
                 figures[key] = round(err, 5)
                 if err > TOLERANCE[dtype]:
                     errors.append(f"{key}: {err:.3g} > {TOLERANCE[dtype]}")

@@ -2,7 +2,9 @@
 
 ``attention_2d(q, k, v, is_causal=..., scale=..., **mesh.attention_kwargs())``
 has the semantics of ``F.scaled_dot_product_attention`` on the full sequence,
-given this rank's tokens in the layout of ``loong_compile.parallel.tokens``:
+given this rank's tokens in the layout of ``loong_compile.parallel.tokens``
+(V may have its own head dim ``D_v``, as in MLA; every step carries it, and the
+output has it):
 
 1. KV replication (§4.2): if ``hp > H_kv``, each KV head is repeated
    ``hp / H_kv`` times (``repeat_interleave``, so its gradient is the sum of
@@ -10,7 +12,7 @@ given this rank's tokens in the layout of ``loong_compile.parallel.tokens``:
 2. SeqAlltoAll over the HP group: ``(B, H, S/sp, D) -> (B, H/hp, S/cp, D)``.
 3. Double-Ring attention over the CP group -> ``(out, lse)``; with
    ``document_ids`` / ``window``, the masked direct exchange (ops/masked.py).
-4. SeqAlltoAll back: ``out`` to ``(B, H, S/sp, D)``.
+4. SeqAlltoAll back: ``out`` to ``(B, H, S/sp, D_v)``.
 
 Everything is a traceable op (custom ops with fake kernels and autograd), so
 a model calling this stays one graph under ``torch.compile(fullgraph=True)``.
@@ -36,7 +38,8 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: flo
                  kv_inner_group: str = "", kv_outer_group: str = "", dkv_inner_group: str = "",
                  dkv_outer_group: str = "", return_lse: bool = False, enable_gqa: bool = True,
                  document_ids: Tensor | None = None, window: int | None = None):
-    """Distributed exact attention of this rank's tokens; ``(B, H, S/sp, D)`` like ``q``.
+    """Distributed exact attention of this rank's tokens; ``(B, H, S/sp, D_v)``: q's batch,
+    heads and tokens, v's head dim.
 
     Masks (docs/attention.md, "Masked attention"): ``document_ids`` ``(B, S)``
     integer ids of the GLOBAL sequence in global order, the same on every rank
@@ -105,11 +108,13 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, hp: int, cp: int,
         raise LoongShapeError(f"devices q={q.device}, k={k.device}, v={v.device}",
                               "q, k and v live on one device", f"move k and v to {q.device}")
     batch, heads, seq, head_dim = q.shape
-    kv_shape = (batch, k.size(1), seq, head_dim)
-    if tuple(k.shape) != kv_shape or tuple(v.shape) != kv_shape:
+    # as SDPA: k has q's head dim (scores are q . k), v may have its own (MLA: D_v != D_qk)
+    if tuple(k.shape) != (batch, k.size(1), seq, head_dim) or \
+            tuple(v.shape) != (batch, k.size(1), seq, v.size(-1)):
         raise LoongShapeError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}",
-                              "k and v are (B, H_kv, S, D) with q's batch, local sequence "
-                              "length and head dim", "pass k and v of equal shapes matching q")
+                              "k is (B, H_kv, S, D) and v (B, H_kv, S, D_v): q's batch, local "
+                              "sequence length and, for k, head dim; v's head dim may differ",
+                              "pass k with q's head dim, and k and v with one head count")
     kv_heads = k.size(1)
     if not enable_gqa and kv_heads not in (1, heads):
         raise LoongShapeError(f"{heads} query heads with {kv_heads} KV heads and enable_gqa=False",

@@ -5,15 +5,18 @@
 ``lse`` is the kernel's own log-sum-exp of the scaled scores per query row,
 ``(B, H, S_q)``, float32 (float64 for float64 inputs).  K/V may have fewer
 heads than Q (GQA, query head ``i`` uses KV head ``i // (H / H_kv)``, as
-``repeat_interleave``).  ``is_causal`` is only used for square blocks (the
+``repeat_interleave``), and V its own head dim (MLA: ``D_v != D_qk``, as SDPA
+allows; ``out`` has V's).  ``is_causal`` is only used for square blocks (the
 diagonal blocks of the ring), where top-left and bottom-right alignment agree.
 
-The adapter honours the CUDA kernels' layout contract for every caller: the
-kernels read the LSE, the output and its gradient from their data pointers as
+The adapter honours the kernels' contracts for every caller: the CUDA kernels
+read the LSE, the output and its gradient from their data pointers as
 contiguous arrays, whatever their strides (the ring hands them row slices), so
-every tensor goes to a kernel contiguous; and PyTorch's CUDA flash kernel, like
-flash-attn, takes head dims that are multiples of 8, so q/k/v (and out/dout)
-are zero-padded to one and the results cut back (the scale is the caller's).
+every tensor goes to a kernel contiguous; and the flash kernels (CPU, CUDA,
+flash-attn 2) take one head dim for q, k and v, on CUDA a multiple of 8, so
+q/k/v (and out/dout) are zero-padded to the kernel's width and the results cut
+back.  Zero columns add nothing to a score (q, k) and give zero output columns
+(v), so this is exact; the scale is the caller's.
 
 Kernels, chosen per call:
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -43,6 +47,7 @@ from torch import Tensor
 from loong_compile._compat.kernels import sdpa_flash_cpu, sdpa_flash_cpu_backward, sdpa_flash_cuda, sdpa_flash_cuda_backward
 
 FLASH_ATTN_MIN_VERSION = "2.7"
+CUDA_HEAD_DIM_MULTIPLE = 8   # PyTorch's CUDA flash kernel and flash-attn 2 take no other head dims
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -50,13 +55,28 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+class Kernel(NamedTuple):
+    """``forward(q, k, v, causal_or_mask, scale) -> (out, lse)`` and
+    ``backward(dout, q, k, v, out, lse, causal_or_mask, scale) -> (dq, dk, dv)``;
+    ``head_dim_multiple``: the kernel takes q, k and v of one head dim, a multiple of it
+    (None: any head dims)."""
+    forward: Callable
+    backward: Callable
+    name: str
+    head_dim_multiple: int | None
+
+
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: float,
                       mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(out, lse)``; with a boolean ``mask`` (True = allowed, broadcast to ``(B, H, S_q, S_k)``)
     a row with no allowed key gives ``out = 0`` and ``lse = -inf``."""
+    kernel = _kernel(q) if mask is None else _masked_kernel(q)
+    width = _kernel_head_dim(kernel, q, v)
+    out, lse = kernel.forward(*_padded(width, q, k, v), is_causal if mask is None else mask,
+                              scale)
+    out = _cut_head_dim(out, v.size(-1))
     if mask is None:
-        return _kernel(q)[0](*_contiguous(q, k, v), is_causal, scale)
-    out, lse = _masked_kernel(q)[0](*_contiguous(q, k, v), mask, scale)
+        return out, lse
     return out, lse.masked_fill(~mask.any(-1), -math.inf)
 
 
@@ -65,38 +85,39 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                        mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)``; with ``mask``, rows whose ``lse`` is ``-inf`` (no key anywhere) get
     zero gradients."""
-    if mask is None:
-        return _kernel(q)[1](*_contiguous(dout, q, k, v, out, lse), is_causal, scale)
-    # such a row's keys are all masked here, so any finite lse gives it probabilities 0
-    lse = lse.masked_fill(torch.isinf(lse), 0.0)
-    return _masked_kernel(q)[1](*_contiguous(dout, q, k, v, out, lse), mask, scale)
-
-
-def _contiguous(*tensors: Tensor) -> tuple[Tensor, ...]:
-    return tuple(t.contiguous() for t in tensors)
+    kernel = _kernel(q) if mask is None else _masked_kernel(q)
+    if mask is not None:
+        # such a row's keys are all masked here, so any finite lse gives it probabilities 0
+        lse = lse.masked_fill(torch.isinf(lse), 0.0)
+    width = _kernel_head_dim(kernel, q, v)
+    dq, dk, dv = kernel.backward(*_padded(width, dout, q, k, v, out), lse.contiguous(),
+                                 is_causal if mask is None else mask, scale)
+    return (_cut_head_dim(dq, q.size(-1)), _cut_head_dim(dk, k.size(-1)),
+            _cut_head_dim(dv, v.size(-1)))
 
 
 def kernel_name(q: Tensor) -> str:
     """Which kernel the adapter uses for tensors like ``q`` (for logs and reports)."""
-    return _kernel(q)[2]
+    return _kernel(q).name
 
 
-def _kernel(q: Tensor):
+def _kernel(q: Tensor) -> Kernel:
     if q.device.type == "cpu":
-        return sdpa_flash_cpu, sdpa_flash_cpu_backward, "aten_flash_cpu"
+        return Kernel(sdpa_flash_cpu, sdpa_flash_cpu_backward, "aten_flash_cpu", 1)
     if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
         if _flash_attn_usable():
-            return _flash_attn_forward, _flash_attn_backward, "flash_attn"
-        return _cuda_forward, _cuda_backward, "aten_flash_cuda"
-    return _math_forward, _math_backward, "math"
+            return Kernel(_flash_attn_forward, _flash_attn_backward, "flash_attn",
+                          CUDA_HEAD_DIM_MULTIPLE)
+        return Kernel(_cuda_forward, _cuda_backward, "aten_flash_cuda", CUDA_HEAD_DIM_MULTIPLE)
+    return Kernel(_math_forward, _math_backward, "math", None)
 
 
-def _masked_kernel(q: Tensor):
+def _masked_kernel(q: Tensor) -> Kernel:
     """Kernels that take a boolean mask: the CPU flash kernel (as an additive mask), else the
     exact matmul path (CUDA's flash kernels take no arbitrary mask)."""
     if q.device.type == "cpu":
-        return _cpu_masked_forward, _cpu_masked_backward
-    return _math_forward, _math_backward
+        return Kernel(_cpu_masked_forward, _cpu_masked_backward, "aten_flash_cpu", 1)
+    return Kernel(_math_forward, _math_backward, "math", None)
 
 
 def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -112,6 +133,27 @@ def _cpu_masked_backward(dout, q, k, v, out, lse, mask, scale):
                                    attn_mask=_additive(mask, q.dtype))
 
 
+# --- one head dim for q, k and v, a multiple of the kernel's --------------------
+
+def _kernel_head_dim(kernel: Kernel, q: Tensor, v: Tensor) -> int | None:
+    """The head dim the kernel is handed (None: each tensor keeps its own)."""
+    multiple = kernel.head_dim_multiple
+    if multiple is None:
+        return None
+    return -(-max(q.size(-1), v.size(-1)) // multiple) * multiple
+
+
+def _padded(width: int | None, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """Each tensor contiguous, its head dim zero-padded to ``width`` (None: kept)."""
+    return tuple((t if width is None or t.size(-1) == width
+                  else torch.nn.functional.pad(t, (0, width - t.size(-1)))).contiguous()
+                 for t in tensors)
+
+
+def _cut_head_dim(x: Tensor, head_dim: int) -> Tensor:
+    return x[..., :head_dim] if x.size(-1) != head_dim else x
+
+
 # --- GQA for kernels that want as many KV heads as Q heads -------------------
 
 def _expand_kv(q: Tensor, kv: Tensor) -> Tensor:
@@ -122,30 +164,15 @@ def _sum_kv_grad(grad: Tensor, kv_heads: int) -> Tensor:
     return grad.unflatten(1, (kv_heads, -1)).sum(2)
 
 
-# --- CUDA kernels take head dims that are multiples of 8 ---------------------
-
-def _pad_head_dim(x: Tensor) -> Tensor:
-    """Zero columns up to a multiple of 8: they add nothing to scores or outputs."""
-    pad = -x.size(-1) % 8
-    return torch.nn.functional.pad(x, (0, pad)) if pad else x
-
-
-def _cut_head_dim(x: Tensor, head_dim: int) -> Tensor:
-    return x[..., :head_dim] if x.size(-1) != head_dim else x
-
-
 # --- CUDA: PyTorch's flash kernel ---------------------------------------------
 
 def _cuda_forward(q, k, v, is_causal, scale):
-    out, lse = sdpa_flash_cuda(_pad_head_dim(q), _pad_head_dim(_expand_kv(q, k)),
-                               _pad_head_dim(_expand_kv(q, v)), is_causal, scale)
-    return _cut_head_dim(out, q.size(-1)), lse
+    return sdpa_flash_cuda(q, _expand_kv(q, k), _expand_kv(q, v), is_causal, scale)
 
 
 def _cuda_backward(dout, q, k, v, out, lse, is_causal, scale):
-    padded = (_pad_head_dim(t) for t in (dout, q, _expand_kv(q, k), _expand_kv(q, v), out))
-    dq, dk, dv = (_cut_head_dim(g, q.size(-1))
-                  for g in sdpa_flash_cuda_backward(*padded, lse, is_causal, scale))
+    dq, dk, dv = sdpa_flash_cuda_backward(dout, q, _expand_kv(q, k), _expand_kv(q, v), out, lse,
+                                          is_causal, scale)
     return dq, _sum_kv_grad(dk, k.size(1)), _sum_kv_grad(dv, v.size(1))
 
 
@@ -163,12 +190,8 @@ def _flash_attn_usable() -> bool:
 
 
 def _to_flash_layout(x: Tensor) -> Tensor:
-    """(B, H, S, D) -> contiguous (B, S, H, D), head dim padded to a multiple of 8."""
-    return _pad_head_dim(x.transpose(1, 2)).contiguous()
-
-
-def _from_flash_layout(x: Tensor, head_dim: int) -> Tensor:
-    return _cut_head_dim(x, head_dim).transpose(1, 2)
+    """(B, H, S, D) -> contiguous (B, S, H, D)."""
+    return x.transpose(1, 2).contiguous()
 
 
 # flash-attn >= 2.7 registers its kernels as torch.ops.flash_attn.* (flash_attn_interface.py)
@@ -176,7 +199,7 @@ def _flash_attn_forward(q, k, v, is_causal, scale):
     out, lse, _, _ = torch.ops.flash_attn._flash_attn_forward(
         _to_flash_layout(q), _to_flash_layout(k), _to_flash_layout(v), 0.0, scale, is_causal,
         -1, -1, 0.0, None, False)
-    return _from_flash_layout(out, q.size(-1)), lse
+    return out.transpose(1, 2), lse
 
 
 def _flash_attn_backward(dout, q, k, v, out, lse, is_causal, scale):
@@ -185,7 +208,7 @@ def _flash_attn_backward(dout, q, k, v, out, lse, is_causal, scale):
     torch.ops.flash_attn._flash_attn_backward(
         _to_flash_layout(dout), qf, kf, vf, _to_flash_layout(out), lse, dq, dk, dv, 0.0, scale,
         is_causal, -1, -1, 0.0, None, False, None)
-    return tuple(_from_flash_layout(g, q.size(-1)) for g in (dq, dk, dv))
+    return tuple(g.transpose(1, 2) for g in (dq, dk, dv))
 
 
 # --- exact fallback -----------------------------------------------------------

@@ -1,10 +1,11 @@
 """Masked attention over one CP group (packed documents, padding, sliding windows), fwd and bwd.
 
 Inputs are in CP layout like ops/ring.py: ``(B, H', S/cp, D)``, this CP rank's
-zigzag shard.  ``document_ids`` is ``(B, S)`` in global order, the same on every
-rank.  Every rank evaluates the same ``mask_plan`` (ops/mask_plan.py) without
-communicating, then, instead of the Double-Ring, a direct exchange on the
-``dkv_outer`` group (which spans the CP group in CP-rank order):
+zigzag shard (V with its own head dim, K and V in one ``kv_buffer``).
+``document_ids`` is ``(B, S)`` in global order, the same on every rank.  Every
+rank evaluates the same ``mask_plan`` (ops/mask_plan.py) without communicating,
+then, instead of the Double-Ring, a direct exchange on the ``dkv_outer`` group
+(which spans the CP group in CP-rank order):
 
 * forward: each rank posts, at once, the sends of the key/value columns every
   other rank needs from it and the receives of the columns it needs, computes
@@ -34,7 +35,8 @@ from loong_compile.parallel.tokens import local_token_indices
 from loong_compile.ops.comm import DirectExchange, group
 from loong_compile.ops.kernels import accumulation_dtype, attention_backward, attention_forward
 from loong_compile.ops.mask_plan import Block, MaskPlan, buffer_columns, mask_plan
-from loong_compile.ops.ring import merge_partial
+from loong_compile.ops.ring import (attention_outputs_like, kv_buffer, kv_gradients, kv_parts,
+                                    merge_partial)
 
 KV_TAG, DKV_TAG = 1, 2
 
@@ -70,7 +72,7 @@ class MaskedGroup:
         else:
             cols = buffer_columns(self.mine.needs[block.owner], block.cols)
             source = received[block.owner]
-        return source[:, :, :, cols], cols, self.block_mask(block)
+        return source[:, :, cols], cols, self.block_mask(block)
 
     def block_mask(self, block: Block) -> Tensor | None:
         """``(B, 1, rows, cols)`` allowed pairs, or None when every pair is allowed."""
@@ -107,19 +109,19 @@ def _plan_of(document_ids: Tensor, is_causal: bool, window: int | None, cp: int)
 
 
 def _columns(kv: Tensor, ranges) -> Tensor:
-    return torch.cat([kv[:, :, :, start:stop] for start, stop in ranges], dim=3)
+    return torch.cat([kv[:, :, start:stop] for start, stop in ranges], dim=2)
 
 
 def _received_shape(kv: Tensor, ranges) -> tuple[int, ...]:
-    return (*kv.shape[:3], sum(stop - start for start, stop in ranges), *kv.shape[4:])
+    return (*kv.shape[:2], sum(stop - start for start, stop in ranges), *kv.shape[3:])
 
 
 def masked_forward(q: Tensor, k: Tensor, v: Tensor, masked: MaskedGroup,
                    scale: float) -> tuple[Tensor, Tensor]:
     acc = accumulation_dtype(q.dtype)
-    kv = torch.stack([k, v])
+    kv = kv_buffer(k, v)
     exchange = masked.exchange_kv(kv) if masked.cp > 1 else None
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    out = torch.zeros((*q.shape[:3], v.size(-1)), dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
     received: dict[int, Tensor] = {}
     for block in masked.mine.blocks:
@@ -127,7 +129,7 @@ def masked_forward(q: Tensor, k: Tensor, v: Tensor, masked: MaskedGroup,
             received = exchange.wait()
         block_kv, _, mask = masked.block_inputs(block, kv, received)
         rows = slice(*block.rows)
-        block_out, block_lse = attention_forward(q[:, :, rows], block_kv[0], block_kv[1],
+        block_out, block_lse = attention_forward(q[:, :, rows], *kv_parts(block_kv, k.size(-1)),
                                                  is_causal=False, scale=scale, mask=mask)
         out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows],
                                                          block_out, block_lse)
@@ -139,7 +141,7 @@ def masked_forward(q: Tensor, k: Tensor, v: Tensor, masked: MaskedGroup,
 def masked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     masked: MaskedGroup, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     acc = accumulation_dtype(q.dtype)
-    kv = torch.stack([k, v])
+    kv = kv_buffer(k, v)
     exchange = masked.exchange_kv(kv) if masked.cp > 1 else None
     dq = torch.zeros_like(q, dtype=acc)
     dkv = torch.zeros_like(kv, dtype=acc)
@@ -153,12 +155,13 @@ def masked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         block_kv, cols, mask = masked.block_inputs(block, kv, received)
         rows = slice(*block.rows)
         dq_block, dk_block, dv_block = attention_backward(
-            dout[:, :, rows], q[:, :, rows], block_kv[0], block_kv[1], out[:, :, rows],
+            dout[:, :, rows], q[:, :, rows], *kv_parts(block_kv, k.size(-1)), out[:, :, rows],
             lse[:, :, rows], is_causal=False, scale=scale, mask=mask)
         dq[:, :, rows] += dq_block
         target = dkv if block.owner == masked.rank else dkv_received[block.owner]
-        target[0][:, :, cols] += dk_block
-        target[1][:, :, cols] += dv_block
+        dk, dv = kv_parts(target[:, :, cols], k.size(-1))
+        dk += dk_block
+        dv += dv_block
     if exchange is not None:
         exchange.wait()
         serves = masked.plan.serves(masked.rank)
@@ -169,10 +172,9 @@ def masked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         for peer, grads in returned.items():
             offset = 0
             for start, stop in serves[peer]:
-                dkv[:, :, :, start:stop] += grads[:, :, :, offset:offset + stop - start]
+                dkv[:, :, start:stop] += grads[:, :, offset:offset + stop - start]
                 offset += stop - start
-    return (dq.to(q.dtype).contiguous(), dkv[0].to(k.dtype, memory_format=torch.contiguous_format, copy=True),
-            dkv[1].to(v.dtype, memory_format=torch.contiguous_format, copy=True))
+    return dq.to(q.dtype).contiguous(), *kv_gradients(dkv, k, v)
 
 
 # --- custom ops ----------------------------------------------------------------
@@ -190,7 +192,7 @@ def masked_attention_fwd(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, 
 
 @masked_attention_fwd.register_fake
 def _(q, k, v, document_ids, *args):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
+    return attention_outputs_like(q, v)
 
 
 @torch.library.custom_op("loong::masked_attention_bwd", mutates_args=(),

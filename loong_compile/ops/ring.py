@@ -1,7 +1,9 @@
 """Double-Ring attention over one CP group (LoongTrain §4.3, Algorithm 2), forward and backward.
 
 Inputs are in CP layout: ``(B, H', S/cp, D)``, the rows of this CP rank's
-zigzag shard (chunks ``r`` and ``2·cp-1-r``, see loong_compile/parallel/tokens.py).
+zigzag shard (chunks ``r`` and ``2·cp-1-r``, see loong_compile/parallel/tokens.py);
+V may have its own head dim (MLA), and the output has V's.  K and V travel as
+one buffer, concatenated along the head dim (``kv_buffer``).
 
 The CP group of ``cp`` ranks is cut into ``n = cp / w`` inner rings of ``w``;
 CP rank ``r = i·w + j`` is position ``j`` of inner ring ``i``.  Forward, at
@@ -54,6 +56,31 @@ def merge_partial(out: Tensor, lse: Tensor, block_out: Tensor,
     weight_old = torch.exp(lse - new_finite).unsqueeze(-1)
     weight_new = torch.exp(block_lse - new_finite).unsqueeze(-1)
     return out * weight_old + block_out.to(out.dtype) * weight_new, new_lse
+
+
+def kv_buffer(k: Tensor, v: Tensor) -> Tensor:
+    """K and V as one ``(B, H, S, D_k + D_v)`` buffer: one send per hop whatever their head
+    dims (MLA's V is narrower than its Q/K).  Its rows are the sequence, as in k and v."""
+    return torch.cat([k, v], dim=-1)
+
+
+def kv_parts(kv: Tensor, k_head_dim: int) -> tuple[Tensor, Tensor]:
+    """The K and V views of a ``kv_buffer`` (or of its gradient, to accumulate into)."""
+    return kv[..., :k_head_dim], kv[..., k_head_dim:]
+
+
+def kv_gradients(dkv: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """dK and dV out of their ``kv_buffer``-shaped accumulator, in k's and v's dtypes; contiguous
+    like the fake kernels, and copied out: views of one buffer may not be returned."""
+    return tuple(part.to(t.dtype, memory_format=torch.contiguous_format, copy=True)
+                 for part, t in zip(kv_parts(dkv, k.size(-1)), (k, v)))
+
+
+def attention_outputs_like(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Empty ``(out, lse)`` for queries ``q`` and values ``v`` (the fake kernels' outputs): out
+    has V's head dim, both are contiguous."""
+    return (q.new_empty((*q.shape[:3], v.size(-1))),
+            q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype)))
 
 
 def ring_schedule(cp_rank: int, cp: int, inner_ring: int) -> list[tuple[int, int, int]]:
@@ -119,10 +146,11 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
     acc = accumulation_dtype(q.dtype)
     half = q.size(2) // 2
     out = lse = None
-    for _, _, owner, kv in ring.kv_schedule(torch.stack([k, v])):
+    for _, _, owner, kv in ring.kv_schedule(kv_buffer(k, v)):
         rows, cols, causal = block_plan(is_causal, ring.rank, owner, half)
-        block_out, block_lse = attention_forward(
-            q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], is_causal=causal, scale=scale)
+        block_k, block_v = kv_parts(kv[:, :, cols], k.size(-1))
+        block_out, block_lse = attention_forward(q[:, :, rows], block_k, block_v,
+                                                 is_causal=causal, scale=scale)
         if out is None:  # the first block is the own one: every row
             out, lse = block_out.to(acc), block_lse.to(acc)
         else:
@@ -137,22 +165,21 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     half = q.size(2) // 2
     dq = torch.zeros_like(q, dtype=acc)
     incoming = None  # dK/dV of the held block, accumulated by its earlier holders
-    for _, s, owner, kv in ring.kv_schedule(torch.stack([k, v])):
+    for _, s, owner, kv in ring.kv_schedule(kv_buffer(k, v)):
         rows, cols, causal = block_plan(is_causal, ring.rank, owner, half)
         dq_block, dk_block, dv_block = attention_backward(
-            dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+            dout[:, :, rows], q[:, :, rows], *kv_parts(kv[:, :, cols], k.size(-1)),
             out[:, :, rows], lse[:, :, rows], is_causal=causal, scale=scale)
         dq[:, :, rows] += dq_block
         dkv = torch.zeros_like(kv, dtype=acc) if incoming is None else incoming.wait()
-        dkv[0][:, :, cols] += dk_block
-        dkv[1][:, :, cols] += dv_block
+        dk, dv = kv_parts(dkv[:, :, cols], k.size(-1))
+        dk += dk_block
+        dv += dv_block
         if ring.cp > 1:
             incoming = ring.send_dkv(dkv, last_micro_step=s == ring.w - 1)
     if incoming is not None:  # the own block's gradient, back from its last holder
         dkv = incoming.wait()
-    # contiguous like the fake kernels, and dk/dv copied out: views of one buffer may not be returned
-    return (dq.to(q.dtype).contiguous(), dkv[0].to(k.dtype, memory_format=torch.contiguous_format, copy=True),
-            dkv[1].to(v.dtype, memory_format=torch.contiguous_format, copy=True))
+    return dq.to(q.dtype).contiguous(), *kv_gradients(dkv, k, v)
 
 
 # --- custom ops ----------------------------------------------------------------
@@ -172,7 +199,7 @@ def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: 
 # that AOTAutograd planned on the fake strides fails at run time.
 @ring_attention_fwd.register_fake
 def _(q, k, v, is_causal, scale, cp, inner_ring, *group_names):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
+    return attention_outputs_like(q, v)
 
 
 @torch.library.custom_op("loong::ring_attention_bwd", mutates_args=(),

@@ -33,11 +33,12 @@ refuses:  (``LoongUnsupportedError`` naming the node, its source line, the reaso
           that the call contradicts (a mask without it although the local length shows it, a
           non-causal call, a dynamic length), a RoPE that changes with the sequence length
           beyond its threshold.
-reports:  each rewritten site (source line, module, heads, KV heads, un-repeated or not, causal,
-          scale, the mask's proven meaning and the probes run, the window and where it came
-          from, the document ids it reads, mesh sizes, the HOP body it sits in); the document-ids
-          calls made; the mask operands dropped from HOP bodies; which graph inputs are the
-          positions and the attention mask, and how each was found (``input_roles``).
+reports:  each rewritten site (source line, module, heads, KV heads, the head dim of q/k and
+          v's own (MLA's differs), un-repeated or not, causal, scale, the mask's proven meaning
+          and the probes run, the window and where it came from, the document ids it reads,
+          mesh sizes, the HOP body it sits in); the document-ids calls made; the mask operands
+          dropped from HOP bodies; which graph inputs are the positions and the attention mask,
+          and how each was found (``input_roles``).
 provides: ``attention_sites``; ``position_inputs`` (the inputs found to be positions, which the
           backend's input check compares with the token layout at each call).
 """
@@ -209,6 +210,7 @@ def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn
     return {
         "node": new.name, "replaced": node.name, "source": source_line(node),
         "module": module_path(node), "heads": _heads(q), "kv_heads": _heads(k),
+        "head_dim": _head_dim(q), "value_head_dim": _head_dim(v),
         "kv_unrepeated": unrepeat, "is_causal": causal, "tokens_per_rank": tokens,
         "sliding_window": window, "window_from": window_from,
         "mask": None if meaning is None else {

@@ -2,8 +2,10 @@
 
 Layout ``(B, S, H, D)``; K/V may have fewer heads than Q (query head ``i`` uses
 KV head ``i // (H / H_kv)``); ``causal`` and ``window_size`` are aligned to the
-bottom-right of the score matrix as in flash-attn.  Dropout, softcap and ALiBi
-are traced like the real ops (their fake kernels) but refused when run.
+bottom-right of the score matrix as in flash-attn.  The ops take one head size
+for q, k and v, a multiple of 8 (``flash_attn_func`` pads to it), as flash-attn 2's
+kernels do.  Dropout, softcap and ALiBi are traced like the real ops (their fake
+kernels) but refused when run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ def _round_multiple(x: int, m: int) -> int:
 def _refuse_unimplemented(dropout_p, softcap, alibi_slopes) -> None:
     if dropout_p or softcap or alibi_slopes is not None:
         raise NotImplementedError("the flash-attn stand-in computes no dropout, softcap or ALiBi")
+
+
+def _check_head_sizes(*tensors: torch.Tensor) -> None:
+    """flash-attn 2.8's mha_fwd / mha_bwd: one head size for all, a multiple of 8."""
+    sizes = {t.size(-1) for t in tensors}
+    if len(sizes) != 1 or next(iter(sizes)) % 8:
+        raise RuntimeError(f"head sizes {sorted(sizes)}: flash-attn takes one head size, "
+                           "a multiple of 8")
 
 
 def _probabilities(q, k, softmax_scale, causal, window_left, window_right, lse=None):
@@ -55,6 +65,7 @@ def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
                         alibi_slopes: Optional[torch.Tensor], return_softmax: bool
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _refuse_unimplemented(dropout_p, softcap, alibi_slopes)
+    _check_head_sizes(q, k, v)
     probs, lse = _probabilities(q, k, softmax_scale, causal, window_size_left, window_size_right)
     vh = v.transpose(1, 2).repeat_interleave(q.size(2) // v.size(2), dim=1).to(probs.dtype)
     out = (probs @ vh).transpose(1, 2).to(q.dtype).contiguous()
@@ -79,6 +90,7 @@ def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                          alibi_slopes: Optional[torch.Tensor], deterministic: bool,
                          rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
     _refuse_unimplemented(dropout_p, softcap, alibi_slopes)
+    _check_head_sizes(dout, q, k, v, out)
     dout, out, softmax_lse = (kernel_reads(t) for t in (dout, out, softmax_lse))
     probs, _ = _probabilities(q, k, softmax_scale, causal, window_size_left, window_size_right,
                               softmax_lse)
