@@ -101,11 +101,33 @@ def _deepseek_v3(attn, window):
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=LAYERS))
 
 
+def _mixtral(attn, window):
+    from transformers import MixtralConfig, MixtralForCausalLM
+    return MixtralForCausalLM(MixtralConfig(**_common(attn), num_local_experts=4,
+                                            num_experts_per_tok=2))
+
+
+def _qwen3moe(attn, window):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **_common(attn), head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, decoder_sparse_step=1, mlp_only_layers=[]))
+
+
+def _olmoe(attn, window):
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+    return OlmoeForCausalLM(OlmoeConfig(**_common(attn), num_experts=4, num_experts_per_tok=2))
+
+
 ARCHITECTURES = {
     "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "gemma3": _gemma3,
     "phi3": _phi3, "olmo2": _olmo2, "gpt_neox": _gpt_neox, "gpt2": _gpt2,
     "starcoder2": _starcoder2, "exaone4": _exaone4, "deepseek_v3": _deepseek_v3,
+    "mixtral": _mixtral, "qwen3moe": _qwen3moe, "olmoe": _olmoe,
 }
+# mixtures of experts: transformers' grouped_mm experts (4 experts, 2 per token) have no float64
+# kernel on CPU (torch.nn.functional.grouped_mm takes float32, bfloat16 and float16)
+MOE = ("mixtral", "qwen3moe", "olmoe")
 WINDOWED = ("qwen2", "qwen3", "mistral", "gemma3", "phi3", "starcoder2", "exaone4")
 
 

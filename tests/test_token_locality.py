@@ -120,3 +120,108 @@ def test_custom_ops_on_token_data_must_be_declared_token_local():
 def test_a_graph_without_attention_is_an_error_by_default():
     with pytest.raises(LoongTokenMixingError, match="no attention call.*allow_graphs_without_attention"):
         check(lambda x: x * 2, hidden(), allow_graphs_without_attention=False)
+
+
+# -- a mixture of experts' dispatch: rows sorted by expert, grouped matmuls, the inverse ---------
+
+EXPERTS, PER_TOKEN, INNER = 4, 2, 48
+
+
+def experts_inputs():
+    """Hidden states and the router's and experts' weights, in bfloat16 (torch's grouped_mm
+    traces no other dtype on CPU)."""
+    torch.manual_seed(0)
+    return [t.to(torch.bfloat16) for t in (hidden(), torch.randn(D, EXPERTS),
+                                            torch.randn(EXPERTS, D, INNER) / 8,
+                                            torch.randn(EXPERTS, INNER, D) / 8)]
+
+
+def dispatch(x, router, up, down, variant="as transformers"):
+    """transformers' grouped_mm experts (integrations/moe.py), written out, with one step
+    changed by ``variant``."""
+    h = x.view(-1, D)
+    weights, ids = (h @ router).softmax(-1).topk(PER_TOKEN, dim=-1)
+    ids, weights = ids.reshape(-1), weights.reshape(-1)
+    ids_s, perm = torch.sort(ids, descending=variant == "descending")
+    groups = {"unsorted offsets": ids, "offsets of other ids": torch.sort((ids + 1) % EXPERTS)[0]
+              }.get(variant, ids_s)
+    offsets = torch.cumsum(torch.histc(groups.float(), bins=EXPERTS, min=0, max=EXPERTS - 1),
+                           dim=0, dtype=torch.int32)
+    if variant == "constant offsets":
+        offsets = torch.tensor([12, 24, 36, 48], dtype=torch.int32)
+    rows = F.grouped_mm(F.silu(F.grouped_mm(h[perm // PER_TOKEN], up, offs=offsets)), down,
+                        offs=offsets) * weights[perm].unsqueeze(-1)
+    if variant == "mixed with unpermuted rows":
+        rows = rows + h.repeat_interleave(PER_TOKEN, dim=0)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0))
+    back = {"not inverted": rows, "gathered back by the permutation": rows[perm]}.get(
+        variant, rows[inverse])
+    return back.view(-1, PER_TOKEN, D).sum(1).view_as(x)
+
+
+def test_expert_dispatch_is_proven_token_local():
+    summary = check(dispatch, *experts_inputs())
+    (proof,) = summary["row_permutations"]
+    assert "expert dispatch proven token-local" in proof and "2 grouped matmuls" in proof
+    assert "test_token_locality.py" in proof  # where the sort is
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transformers_grouped_mm_experts_are_proven_token_local(dtype):
+    # float32 compiles to transformers' grouped_mm_fallback op, bfloat16 to torch._grouped_mm
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    block = MixtralSparseMoeBlock(MixtralConfig(
+        hidden_size=D, intermediate_size=INNER, num_local_experts=EXPERTS,
+        num_experts_per_tok=PER_TOKEN, experts_implementation="grouped_mm")).to(dtype)
+    for p in block.parameters():
+        torch.nn.init.normal_(p)
+    (proof,) = check(block, hidden().to(dtype))["row_permutations"]
+    assert "integrations/moe.py" in proof and "2 grouped matmuls" in proof
+
+
+UNPROVEN = ("sort along the token axis 0 of (48,) mixes or moves tokens (not a row permutation "
+            "proven undone")
+
+
+@pytest.mark.parametrize("variant,words", [
+    ("descending", ["sort along the token axis"]),  # not the order histc's offsets count in
+    ("unsorted offsets", ["histc counts over the token axis"]),
+    ("offsets of other ids", [UNPROVEN, "grouped_mm's groups are not the running counts"]),
+    ("constant offsets", [UNPROVEN, "grouped_mm's groups are not the running counts"]),
+    ("not inverted", [UNPROVEN, "does not keep the permuted rows as the first axis"]),
+    ("gathered back by the permutation", [UNPROVEN, "gathers rows the proof cannot align"]),
+    ("mixed with unpermuted rows", [UNPROVEN, "combines the permuted rows with"]),
+])
+def test_a_dispatch_outside_the_proof_is_refused(variant, words):
+    with pytest.raises(LoongTokenMixingError) as info:
+        check(lambda *a: dispatch(*a, variant=variant), *experts_inputs())
+    message = str(info.value)
+    assert all(w in message for w in words) and "fix:" in message, message
+
+
+def test_counting_over_tokens_is_refused():
+    with pytest.raises(LoongTokenMixingError, match="histc counts over the token axis"):
+        check(lambda x: x * torch.histc(x.argmax(-1).float(), bins=4, min=0, max=3).sum(), hidden())
+
+
+def test_looking_up_weights_by_token_ids_and_batching_matmuls_over_tokens_pass():
+    # transformers' batched_mm experts: each token's expert weights, one matmul per token
+    up = torch.randn(EXPERTS, INNER * 2, D)
+
+    def batched(x, ids):
+        return torch.bmm(up[ids.reshape(-1)], x.reshape(-1, D, 1)).squeeze(-1)
+
+    assert check(batched, hidden(), torch.randint(0, EXPERTS, (B, T)))["matched"] > 0
+
+
+def test_the_routers_load_balancing_loss_is_refused_by_name():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    with pytest.raises(LoongTokenMixingError) as info:
+        check(lambda logits: load_balancing_loss_func((logits,), EXPERTS, PER_TOKEN),
+              torch.randn(B * T, EXPERTS))
+    message = str(info.value)
+    assert "load-balancing loss" in message and "output_router_logits=False" in message, message

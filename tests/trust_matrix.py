@@ -2,7 +2,8 @@
 
 Each case trains one step of a tiny model under ``backend="loong"`` on 2 or 4 gloo ranks and
 compares the loss and gradients (summed over the ranks, as the examples' training loop does)
-with one process on the full sequence in float64 — or records the ``LoongError`` it raised.
+with one process on the full sequence in float64 (float32 for the mixtures of experts: see
+``_precision``) — or records the ``LoongError`` it raised.
 ``python tests/trust_matrix.py`` prints the table that docs/usage.md shows.
 """
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import loong_error_in  # noqa: E402
-from hf_models import ARCHITECTURES, WINDOWED, build  # noqa: E402
+from hf_models import ARCHITECTURES, MOE, WINDOWED, build  # noqa: E402
 
 BATCH, SEQ = 2, 48
 # on 2 ranks a rank holds 24 tokens: shorter than a rank's share, between it and the sequence,
@@ -34,6 +35,11 @@ HABITS_SAMPLED = ("use_cache_false", "grad_ckpt", "padding", "packed", "packed_u
                   "bf16", "autocast_bf16", "no_shard_batch")
 SAMPLED_ARCHS = ("llama", "qwen2", "gemma3", "gpt2")
 LONG_WINDOW_ARCHS = ("mistral", "gemma3", "qwen3")
+# the router's load-balancing loss (each model's own code: statistics over the whole sequence's
+# routing, refused), and the experts implementations users select besides grouped_mm
+# (transformers' shared code: on one model)
+MOE_HABITS = ("router_aux_loss",)
+EXPERTS_HABITS = ("experts_batched_mm", "experts_eager")
 # The loss inside the compiled function (issue 22: the LM head is chunked with it, in chunks of
 # LM_HEAD_CHUNK tokens): transformers' own loss (labels=, shift_labels=, num_items_in_batch=),
 # with key padding, and loong_compile.NextTokenLoss on a head tied to the embedding.  Gemma3 gets
@@ -75,6 +81,8 @@ def all_cases() -> list[Case]:
     cases += [Case(arch, window=WINDOW_SHARD, habit="padding") for arch in ("qwen2", "mistral")]
     cases += [Case("exaone4", window=WINDOW_SHARD)]
     cases += [Case("deepseek_v3", habit="packed_use_cache_false")]  # MLA in the masked exchange
+    cases += [Case(arch, habit=habit) for arch in MOE for habit in MOE_HABITS]
+    cases += [Case("mixtral", habit=habit) for habit in EXPERTS_HABITS]
     return cases
 
 
@@ -105,9 +113,19 @@ def padding_mask() -> torch.Tensor:
     return mask
 
 
+def _precision(arch: str) -> torch.dtype:
+    """float64, float32 where a kernel has no float64 (MoE's grouped_mm)."""
+    return torch.float32 if arch in MOE else torch.float64
+
+
+def _dtype(case: Case) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "autocast_bf16": torch.float32}.get(case.habit,
+                                                                         _precision(case.arch))
+
+
 def _model_for(case: Case) -> torch.nn.Module:
-    dtype = {"bf16": torch.bfloat16, "autocast_bf16": torch.float32}.get(case.habit, torch.float64)
-    model = _loss_in_graph_setup(case, build(case.arch, case.attn, case.window, dtype))
+    model = _experts_setup(case, _loss_in_graph_setup(case, build(case.arch, case.attn, case.window,
+                                                                   _dtype(case))))
     if case.habit == "grad_ckpt":
         model.gradient_checkpointing_enable()
     return model
@@ -118,6 +136,12 @@ def _loss_in_graph_setup(case: Case, model: torch.nn.Module) -> torch.nn.Module:
         model.config.final_logit_softcapping = SOFTCAP
     if case.habit == "loss_in_graph_tied":
         model.lm_head.weight = model.get_input_embeddings().weight
+    return model
+
+
+def _experts_setup(case: Case, model: torch.nn.Module) -> torch.nn.Module:
+    if case.habit.startswith("experts_"):
+        model.set_experts_implementation(case.habit.removeprefix("experts_"))
     return model
 
 
@@ -142,10 +166,14 @@ def _autocast(case: Case):
     return contextlib.nullcontext()
 
 
-def reference(case: Case, dtype: torch.dtype = torch.float64, autocast: bool = False) -> tuple[float, dict]:
-    """One process, full sequence (float64 unless asked): the loss and gradients the user meant.
-    ``autocast``: under the case's autocast (with ``dtype`` float32: what one process computes)."""
-    model = _loss_in_graph_setup(case, build(case.arch, case.attn, case.window, dtype))
+def reference(case: Case, dtype: torch.dtype | None = None,
+              autocast: bool = False) -> tuple[float, dict]:
+    """One process, full sequence (``_precision`` unless asked): the loss and gradients the user
+    meant.  ``autocast``: under the case's autocast (with ``dtype`` float32: what one
+    process computes)."""
+    dtype = dtype or _precision(case.arch)
+    model = _experts_setup(case, _loss_in_graph_setup(case, build(case.arch, case.attn,
+                                                                   case.window, dtype)))
     ids = token_ids()
     labels = _shifted(ids)
     kwargs = {"position_ids": torch.arange(SEQ).expand(BATCH, -1)}
@@ -157,8 +185,11 @@ def reference(case: Case, dtype: torch.dtype = torch.float64, autocast: bool = F
         kwargs["attention_mask"] = padding_mask()
         labels = labels.masked_fill(_shifted(padding_mask()) == 0, -100)
     with _autocast(case) if autocast else contextlib.nullcontext():
-        if case.habit in ("labels", "shift_labels", "loss_in_graph", "loss_in_graph_padding"):
+        if case.habit in ("labels", "shift_labels", "loss_in_graph", "loss_in_graph_padding",
+                          "router_aux_loss"):
             unshifted = ids.masked_fill(padding_mask() == 0, -100) if "padding" in case.habit else ids
+            if case.habit == "router_aux_loss":
+                kwargs["output_router_logits"] = True
             loss = model(ids, labels=unshifted, **kwargs).loss
         else:
             count = int((labels != -100).sum())
@@ -181,13 +212,14 @@ def relative_error(got: tuple[float, dict], ref: tuple[float, dict]) -> float:
 
 def tolerance(case: Case) -> float:
     """float64 round-off, float32 where the model computes in float32 inside (Gemma3's norms,
-    transformers' loss casts the logits to float32), and for bf16 twice one process's own
-    bf16 error against float64."""
+    transformers' loss casts the logits to float32) or is float32 (MoE: one process's
+    grouped_mm against one matmul per expert on a rank, 3e-7), and for bf16 twice one
+    process's own bf16 error against float64."""
     if case.habit == "bf16":
         return 2 * relative_error(reference(case, torch.bfloat16), reference(case))
     if case.habit == "autocast_bf16":
         return 2 * relative_error(reference(case, torch.float32, autocast=True), reference(case))
-    if case.arch in FLOAT32_INSIDE or case.habit in ("labels", "shift_labels", "loss_in_graph",
+    if case.arch in FLOAT32_INSIDE + MOE or case.habit in ("labels", "shift_labels", "loss_in_graph",
                                                       "loss_in_graph_padding"):
         return 1e-5
     return 1e-9
@@ -230,7 +262,9 @@ def _distributed_step(case: Case, hp: int, cp: int, extra_options: dict | None =
     with _autocast(case):
         if case.habit == "labels":
             loss = compiled(inputs, labels=labels, **kwargs).loss
-        elif case.habit == "shift_labels":
+        elif case.habit in ("shift_labels", "router_aux_loss"):
+            if case.habit == "router_aux_loss":
+                kwargs["output_router_logits"] = True
             loss = compiled(inputs, labels=labels, shift_labels=labels, num_items_in_batch=count,
                             **kwargs).loss
         else:

@@ -14,7 +14,9 @@ refuses:  with ``LoongTokenMixingError``, on every rank alike (the graph is the 
           - a product of two token tensors over token axes (attention the rewrite did not match);
           - positions made from the local length (``arange(T)``: ``position_ids`` left out);
           - moving, selecting, cutting or joining along a token axis (``labels`` shifted inside
-            the model, ``x[:, -1]``, ``cumsum``, ``roll``, ``pad`` ...);
+            the model, ``x[:, -1]``, ``cumsum``, ``roll``, ``pad`` ...), and counting over it
+            (``histc``); but for a sort of the rows that ``row_permutation`` proves undone (a
+            mixture of experts' dispatch: sort by expert, grouped matmuls, the inverse gather);
           - reductions over token axes other than a sum (a local mean is not the global mean),
             ``cross_entropy`` with ``reduction="mean"``, and nonlinear functions of a token sum
             (the ranks' sums only add up to the global one);
@@ -24,8 +26,8 @@ refuses:  with ``LoongTokenMixingError``, on every rank alike (the graph is the 
             (attention the rewrite did not recognise would otherwise run on local tokens).
           What only reaches the graph's outputs untouched (a KV cache transformers returns) is
           not refused: it is listed in the report as local values that differ from one process.
-reports:  the local token count, the token inputs found, the nodes checked, the local-only
-          outputs.
+reports:  the local token count, the token inputs found, the nodes checked, the row
+          permutations proven undone (where, how many grouped matmuls), the local-only outputs.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from loong_compile.passes.attention.attention_2d import ATTENTION_SITES
 from loong_compile.passes.base import Pass, PassContext
 from loong_compile.passes.fx_util import module_path, source_line
 from loong_compile.passes.subgraphs import graph_scopes, hop_name
+from loong_compile.passes.safety.row_permutation import PROOF, RowPermutations
 from loong_compile.passes.safety.token_ops import (
-    ALLOWED_HOPS, ALONG_AXIS, CONVS, LINEAR, LOSSES, MATMULS, POSITIONS, REDUCTIONS,
+    ALLOWED_HOPS, ALONG_AXIS, CONVS, COUNTS, LINEAR, LOSSES, MATMULS, POSITIONS, REDUCTIONS,
     UNREWRITTEN_ATTENTION, counts_tokens, custom_op, example_value, from_input, full_slice,
     is_weight, node_arg, only_returned, op_name, reduced_dims)
 
@@ -63,6 +66,7 @@ class TokenLocalityPass(Pass):
         analysis = _Analysis(tokens, set(ctx.config.token_local_ops))
         for scope in graph_scopes(gm):
             analysis.scan(scope)
+        analysis.refuse_unproven()
         local_outputs = [f for f in analysis.findings if only_returned(f[0], gm.graph)]
         # the most telling first: unrewritten attention explains the masks and positions around it
         findings = sorted((f for f in analysis.findings if f not in local_outputs),
@@ -90,6 +94,7 @@ class TokenLocalityPass(Pass):
         return {"matched": analysis.checked, "attention": attention,
                 "tokens_per_rank": tokens if isinstance(tokens, int) else str(tokens),
                 "token_inputs": analysis.inputs,
+                "row_permutations": analysis.rows.proven(),
                 "local_only_outputs": [f"{n.name}: {reason}" for n, reason, _ in local_outputs]}
 
 
@@ -115,6 +120,7 @@ class _Analysis:
         self.findings: list[tuple[torch.fx.Node, str, str]] = []
         self.inputs: list[str] = []
         self.checked = 0
+        self.rows = RowPermutations(tokens, self.tainted)
 
     def scan(self, scope) -> None:
         for node in scope.module.graph.nodes:
@@ -127,11 +133,12 @@ class _Analysis:
                     if scope.hop is None:
                         self.inputs.append(node.name)
                 continue
+            verdict = self.rows.visit(node)
             if node.op not in ("call_function", "call_method"):
                 continue
             inputs = [a for a in node.all_input_nodes if a in self.tainted]
             name = op_name(node)
-            if name in POSITIONS and self.axes(node):
+            if name in POSITIONS and self.axes(node) and not self.rows.defers(node):
                 self.refuse(node, f"{name} of length {self.tokens} makes positions (or a mask) "
                             "from the local length: the model numbered this rank's tokens itself",
                             "pass position_ids=batch.position_ids (from loong_compile.shard_batch)"
@@ -142,8 +149,17 @@ class _Analysis:
                 continue
             self.tainted.add(node)
             self.checked += 1
-            if node.target is not attention_2d:
+            if node.target is not attention_2d and verdict is not PROOF:
                 self.check(node, name, inputs)
+
+    def refuse_unproven(self) -> None:
+        """A sort whose permutation the proof does not see undone is refused as any sort is."""
+        for sort, why in self.rows.unproven():
+            count = len(self.findings)
+            self.check(sort, op_name(sort), [sort.args[0]])
+            self.findings[count:] = [
+                (node, f"{reason} (not a row permutation proven undone: {why})", fix)
+                for node, reason, fix in self.findings[count:]]
 
     def check(self, node: torch.fx.Node, name: str, inputs: list[torch.fx.Node]) -> None:
         source = inputs[0]
@@ -165,12 +181,15 @@ class _Analysis:
             self.refuse(node, f"custom op {op} reads token data and the analysis cannot see "
                         "inside it", f"if {op} computes every token on its own, pass "
                         f"token_local_ops=[{op!r}] in options; otherwise run with hp=cp=1")
-        elif name in MATMULS and len(inputs) >= 2 and len(self.axes(node, trailing=True)) >= 2:
+        elif name in MATMULS and len(inputs) >= 2 and self.pairs_tokens(node, name):
             self.refuse(node, f"{name} of two token tensors gives a token x token product "
                         f"{tuple(example_value(node).shape)}: attention the backend did not rewrite "
                         "(e.g. attn_implementation='eager')",
                         "use attn_implementation='sdpa' (F.scaled_dot_product_attention), which "
                         "becomes 2D-Attention, or run with hp=cp=1")
+        elif name in COUNTS and self.axes(source, trailing=True):
+            self.refuse(node, f"{name} counts over the token axis, this rank's tokens only",
+                        _GATHER_FIX)
         elif name in CONVS and self.axes(source, trailing=True):
             self.refuse(node, f"{name} slides over the token axis", "run with hp=cp=1")
         elif name in LOSSES:
@@ -181,13 +200,22 @@ class _Analysis:
             elif reduction == "sum":
                 self.partial.add(node)
         elif name == "getitem" and isinstance(example_value(source), torch.Tensor):
-            self.check_index(node, source)
+            if node.args[0] in self.tainted:  # a lookup in a tensor without tokens is per token
+                self.check_index(node, source)
         elif name == "pad":
             self.check_pad(node, source)
         elif name == "cat":
             self.check_cat(node)
         elif name in ALONG_AXIS | REDUCTIONS | {"sum"}:
             self.check_axis(node, name, source)
+
+    def pairs_tokens(self, node, name) -> bool:
+        """Two token axes in a product of token tensors: among the rows and columns of a
+        (batched) matmul, whose batch axes pair each token with itself."""
+        axes = self.axes(node, trailing=True)
+        if name != "einsum":
+            axes = [a for a in axes if a >= example_value(node).dim() - 2]
+        return len(axes) >= 2
 
     def check_axis(self, node, name, source) -> None:
         axes = self.axes(source)
@@ -274,12 +302,24 @@ class _Analysis:
                 if counts_tokens(size, self.tokens) and not (skip and i == n - 1)]
 
     def refuse(self, node, reason: str, fix: str) -> None:
+        if f"in {_AUX_LOSS}" in (node.meta.get("stack_trace") or ""):
+            reason = (f"{reason}, in the router's auxiliary load-balancing loss "
+                      "(output_router_logits=True), whose expert statistics cover the whole "
+                      "sequence")
+            fix = _AUX_LOSS_FIX
         self.findings.append((node, reason, fix))
 
 
 _SUM_FIX = ("sum the per-token losses and divide by the global count of label tokens: "
             "reduction='sum' / N (with transformers: pass num_items_in_batch=N), or compute the "
             "loss outside the compiled model")
+# transformers' load-balancing loss, named in the message only (the token rules refuse it)
+_AUX_LOSS = "load_balancing_loss_func"
+_AUX_LOSS_FIX = ("pass output_router_logits=False; to train with the loss, compute it outside the "
+                 "compiled model from the router_logits it returns, with the expert counts summed "
+                 "over the sequence's ranks (all_reduce) and each rank's routing probabilities "
+                 "summed over its tokens, both divided by the global token count (the ranks' "
+                 "shares then add up to one process's loss)")
 _GATHER_FIX = ("compute this outside the compiled model on gathered tokens "
                "(loong_compile.gather_sequence), or run with hp=cp=1")
 

@@ -24,6 +24,7 @@ LINEAR = {"add", "sub", "neg", "mul", "truediv", "div", "float", "double", "to",
           "view", "reshape", "contiguous", "clone", "detach", "getitem", "squeeze", "unsqueeze",
           "iadd", "isub", "imul", "itruediv"}
 MATMULS = {"matmul", "bmm", "einsum", "baddbmm", "mm"}
+COUNTS = {"histc", "bincount"}
 POSITIONS = {"arange", "range", "linspace"}
 LOSSES = {"cross_entropy", "nll_loss"}
 CONVS = {"conv1d", "conv2d", "conv3d", "conv_transpose1d"}
