@@ -91,14 +91,21 @@ def _exaone4(attn, window):
         layer_types=["sliding_attention", "full_attention"]))
 
 
-def _deepseek_v3(attn, window):
+def _deepseek_v3(attn, window, experts: bool = False):
     # MLA: q/k heads of 24 (16 without RoPE + 8 with, interleaved), v heads of 16, keys and values
     # from a rank-16 latent, queries from a rank-16 one (q_lora_rank, as DeepSeek-V3 itself), as
-    # many KV heads as heads; the MLP dense in every layer (the experts' sort is the MoE work)
+    # many KV heads as heads; the MLP dense in every layer, or (``experts``) DeepSeek-V3's own
+    # mixture: 4 routed experts, 2 per token, one shared, grouped top-k routing
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     return DeepseekV3ForCausalLM(DeepseekV3Config(
         **_common(attn) | {"num_key_value_heads": 4}, q_lora_rank=16, kv_lora_rank=16,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=LAYERS))
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        first_k_dense_replace=0 if experts else LAYERS, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, moe_intermediate_size=24, n_group=2, topk_group=1))
+
+
+def _deepseek_v3_moe(attn, window):
+    return _deepseek_v3(attn, window, experts=True)
 
 
 def _mixtral(attn, window):
@@ -123,11 +130,11 @@ ARCHITECTURES = {
     "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "gemma3": _gemma3,
     "phi3": _phi3, "olmo2": _olmo2, "gpt_neox": _gpt_neox, "gpt2": _gpt2,
     "starcoder2": _starcoder2, "exaone4": _exaone4, "deepseek_v3": _deepseek_v3,
-    "mixtral": _mixtral, "qwen3moe": _qwen3moe, "olmoe": _olmoe,
+    "mixtral": _mixtral, "qwen3moe": _qwen3moe, "olmoe": _olmoe, "deepseek_v3_moe": _deepseek_v3_moe,
 }
 # mixtures of experts: transformers' grouped_mm experts (4 experts, 2 per token) have no float64
 # kernel on CPU (torch.nn.functional.grouped_mm takes float32, bfloat16 and float16)
-MOE = ("mixtral", "qwen3moe", "olmoe")
+MOE = ("mixtral", "qwen3moe", "olmoe", "deepseek_v3_moe")
 WINDOWED = ("qwen2", "qwen3", "mistral", "gemma3", "phi3", "starcoder2", "exaone4")
 
 

@@ -45,7 +45,7 @@ HP_CASES = [Case("mistral", window=WINDOW_SHORT), Case("llama"), Case("qwen3", h
             Case("llama", habit="packed_use_cache_false"), Case("qwen2", habit="padding"),
             Case("gemma3", window=WINDOW_SHARD, habit="packed_use_cache_false"),
             Case("llama", habit="autocast_bf16"), Case("exaone4", window=WINDOW_SHORT),
-            Case("deepseek_v3"), Case("mixtral"), Case("qwen3moe", habit="shift_labels"), Case("olmoe")]
+            Case("deepseek_v3"), Case("deepseek_v3_moe"), Case("mixtral"), Case("qwen3moe", habit="shift_labels"), Case("olmoe")]
 
 
 @pytest.fixture(scope="module")

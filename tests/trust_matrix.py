@@ -81,7 +81,9 @@ def all_cases() -> list[Case]:
     cases += [Case(arch, window=WINDOW_SHARD, habit="padding") for arch in ("qwen2", "mistral")]
     cases += [Case("exaone4", window=WINDOW_SHARD)]
     cases += [Case("deepseek_v3", habit="packed_use_cache_false")]  # MLA in the masked exchange
-    cases += [Case(arch, habit=habit) for arch in MOE for habit in MOE_HABITS]
+    # DeepSeek-V3's transformers model computes no load-balancing loss: the others only
+    cases += [Case(arch, habit=habit) for arch in MOE if arch != "deepseek_v3_moe"
+              for habit in MOE_HABITS]
     cases += [Case("mixtral", habit=habit) for habit in EXPERTS_HABITS]
     return cases
 
@@ -236,7 +238,7 @@ def _distributed_step(case: Case, hp: int, cp: int, extra_options: dict | None =
 
     mesh = lc.init_mesh(hp=hp, cp=cp)
     model = _model_for(case)
-    options = {"hp": hp, "cp": cp, "lowering": "aot_eager", "rank_check_timeout": 30,
+    options = {"hp": hp, "cp": cp, "lowering": "aot_eager", "rank_check_timeout": 120,
                **(extra_options or {})}
     if case.habit == "grad_ckpt":  # Dynamo breaks the graph before the LM head: the fix the
         options["allow_graphs_without_attention"] = True  # refusal of that graph names
