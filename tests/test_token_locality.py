@@ -71,6 +71,49 @@ def test_token_mixing_is_refused(name, fn, words):
     assert "fix:" in message and f"{T} tokens per rank" in message
 
 
+def _write_first_token(x):
+    y = x.clone()
+    y[:, 0] = 0.0
+    return y
+
+
+def _write_first_feature(x):
+    y = x.clone()
+    y[:, :, 0] = 0.0
+    return y
+
+
+@pytest.mark.parametrize("name,fn,words", [
+    ("gram over tokens", lambda x: x.transpose(1, 2) @ x, ["matmul sums over a token axis"]),
+    ("bmm over tokens", lambda x: torch.bmm(x.transpose(1, 2), x), ["bmm sums over a token axis"]),
+    ("einsum over tokens", lambda x: torch.einsum("btd,bte->bde", x, x),
+     ["einsum sums over a token axis"]),
+    ("tokens moved last, viewed back", lambda x: x.transpose(1, 2).reshape(B, T, D),
+     ["makes a token-sized axis", "moved last"]),
+    ("write to the first token", _write_first_token, ["indexing 0 on the token axis 1"]),
+    ("index_fill along tokens", lambda x: x.index_fill(1, torch.tensor([0]), 0.0),
+     ["index_fill along the token axis 1"]),
+])
+def test_what_sums_writes_or_reshapes_across_tokens_is_refused(name, fn, words):
+    """Silently wrong before: the local sum over a rank's tokens (a product contracting them),
+    a write at a local token index, and a view that interleaves tokens with features were let
+    through (their results carry no token-sized axis, or the write's node no user)."""
+    with pytest.raises(LoongTokenMixingError) as info:
+        check(fn, hidden())
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("write to a feature", _write_first_feature),
+    ("per-token dot product", lambda x: (x.unsqueeze(-2) @ x.unsqueeze(-1)).squeeze(-1)),
+    ("per-token outer product over a token-sized feature axis",
+     lambda x: torch.einsum("btd,bte->btde", x, x).sum(-1)),
+    ("per-token values flattened", lambda x: (x.sum(-1) * 2).view(-1)),
+])
+def test_per_token_products_writes_and_views_pass(name, fn):
+    assert check(fn, hidden(width=2 * T))["matched"] > 0
+
+
 def test_loss_mean_is_refused_and_sum_over_a_global_count_passes():
     logits, y = torch.randn(B, T, 10), labels()
     with pytest.raises(LoongTokenMixingError, match="reduction='mean'"):

@@ -11,7 +11,9 @@ matches:  every node of the graph and of its higher-order-op bodies that reads t
           feature axis of a floating tensor.
 refuses:  with ``LoongTokenMixingError``, on every rank alike (the graph is the same), before
           anything runs:
-          - a product of two token tensors over token axes (attention the rewrite did not match);
+          - a product of two token tensors over token axes (attention the rewrite did not match),
+            and a product that sums over a token axis;
+          - a view that makes a token-sized axis of a token tensor whose tokens it cannot follow;
           - positions made from the local length (``arange(T)``: ``position_ids`` left out);
           - moving, selecting, cutting or joining along a token axis (``labels`` shifted inside
             the model, ``x[:, -1]``, ``cumsum``, ``roll``, ``pad`` ...), and counting over it
@@ -46,8 +48,9 @@ from loong_compile.passes.subgraphs import graph_scopes, hop_name
 from loong_compile.passes.safety.row_permutation import PROOF, RowPermutations
 from loong_compile.passes.safety.token_ops import (
     ALLOWED_HOPS, ALONG_AXIS, CONVS, COUNTS, LINEAR, LOSSES, MATMULS, POSITIONS, REDUCTIONS,
-    UNREWRITTEN_ATTENTION, counts_tokens, custom_op, example_value, from_input, full_slice,
-    is_weight, node_arg, only_returned, op_name, reduced_dims)
+    UNREWRITTEN_ATTENTION, VIEWS, contractions, counts_tokens, custom_op, example_value,
+    from_input, full_slice, is_weight, node_arg, only_returned, op_name, reduced_dims)
+
 
 class TokenLocalityPass(Pass):
     name = "token_locality"
@@ -67,7 +70,7 @@ class TokenLocalityPass(Pass):
         for scope in graph_scopes(gm):
             analysis.scan(scope)
         analysis.refuse_unproven()
-        local_outputs = [f for f in analysis.findings if only_returned(f[0], gm.graph)]
+        local_outputs = [f for f in analysis.findings if only_returned(_written(f[0]), gm.graph)]
         # the most telling first: unrewritten attention explains the masks and positions around it
         findings = sorted((f for f in analysis.findings if f not in local_outputs),
                           key=lambda f: f[1].startswith(tuple(POSITIONS)))
@@ -187,6 +190,15 @@ class _Analysis:
                         "(e.g. attn_implementation='eager')",
                         "use attn_implementation='sdpa' (F.scaled_dot_product_attention), which "
                         "becomes 2D-Attention, or run with hp=cp=1")
+        elif name in MATMULS and self.sums_tokens(node, name):
+            self.refuse(node, f"{name} sums over a token axis: over this rank's tokens only",
+                        _GATHER_FIX)
+        elif name in VIEWS and self.axes(node) and example_value(source).dim() >= 3 \
+                and not self.axes(source):
+            self.refuse(node, f"{name} to {tuple(example_value(node).shape)} makes a token-sized "
+                        f"axis of {tuple(example_value(source).shape)}, which has none where "
+                        "tokens can be followed (a token axis moved last, then viewed back, mixes "
+                        "tokens with features)", _GATHER_FIX)
         elif name in COUNTS and self.axes(source, trailing=True):
             self.refuse(node, f"{name} counts over the token axis, this rank's tokens only",
                         _GATHER_FIX)
@@ -199,9 +211,9 @@ class _Analysis:
                             "not over the batch", _SUM_FIX)
             elif reduction == "sum":
                 self.partial.add(node)
-        elif name == "getitem" and isinstance(example_value(source), torch.Tensor):
+        elif name in ("getitem", "setitem") and isinstance(example_value(source), torch.Tensor):
             if node.args[0] in self.tainted:  # a lookup in a tensor without tokens is per token
-                self.check_index(node, source)
+                self.check_index(node, node.args[0])
         elif name == "pad":
             self.check_pad(node, source)
         elif name == "cat":
@@ -216,6 +228,21 @@ class _Analysis:
         if name != "einsum":
             axes = [a for a in axes if a >= example_value(node).dim() - 2]
         return len(axes) >= 2
+
+    def sums_tokens(self, node, name) -> bool:
+        """A product that sums over a token axis: of a token tensor (not its trailing feature
+        axis), or of two token tensors over an axis of token size; unless a shared batch axis
+        holds the tokens of every token operand (a product token by token)."""
+        for carriers in contractions(node, name):
+            tokens = [(op, axis, batch) for op, axis, batch in carriers if op in self.tainted]
+            if not tokens or all(set(batch) & set(self.axes(op)) for op, _, batch in tokens):
+                continue
+            if any(axis in self.axes(op) for op, axis, _ in tokens):
+                return True
+            if len(tokens) >= 2 and all(counts_tokens(example_value(op).shape[axis], self.tokens)
+                                        for op, axis, _ in tokens):
+                return True
+        return False
 
     def check_axis(self, node, name, source) -> None:
         axes = self.axes(source)
@@ -324,10 +351,6 @@ _GATHER_FIX = ("compute this outside the compiled model on gathered tokens "
                "(loong_compile.gather_sequence), or run with hp=cp=1")
 
 
-
-
-
-
 def _labels_hint(node: torch.fx.Node) -> str:
     return (" (transformers' loss shifts `labels` by one token; loong_compile.shard_batch already "
             "shifted them over the full sequence)" if from_input(node, "labels") else "")
@@ -341,20 +364,12 @@ def _labels_fix(node: torch.fx.Node) -> str:
     return _GATHER_FIX
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+def _written(node: torch.fx.Node) -> torch.fx.Node:
+    """The value a node's result lives in: the tensor an in-place write changes (``x[i] = v``
+    returns nothing; ``x.index_fill_`` returns x), else the node itself."""
+    name = op_name(node)
+    return node.args[0] if name == "setitem" or name.endswith("_") and not name.endswith("__") \
+        else node
 
 
 def _describe(node: torch.fx.Node) -> str:

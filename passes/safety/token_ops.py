@@ -16,7 +16,11 @@ import torch.nn.functional as F
 
 ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "diff", "roll", "flip",
               "sort", "argsort", "topk", "kthvalue", "index_select", "gather", "take_along_dim",
-              "unfold", "narrow", "split", "chunk", "tensor_split", "unbind", "select", "flatten"}
+              "unfold", "narrow", "split", "chunk", "tensor_split", "unbind", "select", "flatten",
+              # writes at chosen places along an axis (dim is their first argument too)
+              "index_fill", "index_fill_", "index_copy", "index_copy_", "index_add",
+              "index_add_", "scatter", "scatter_", "scatter_add", "scatter_add_",
+              "scatter_reduce", "scatter_reduce_"}
 REDUCTIONS = {"mean", "nanmean", "amax", "amin", "max", "min", "logsumexp", "softmax",
               "log_softmax", "var", "std", "norm", "prod", "median", "argmax", "argmin", "any",
               "all", "nansum"}
@@ -24,6 +28,7 @@ LINEAR = {"add", "sub", "neg", "mul", "truediv", "div", "float", "double", "to",
           "view", "reshape", "contiguous", "clone", "detach", "getitem", "squeeze", "unsqueeze",
           "iadd", "isub", "imul", "itruediv"}
 MATMULS = {"matmul", "bmm", "einsum", "baddbmm", "mm"}
+VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 COUNTS = {"histc", "bincount"}
 POSITIONS = {"arange", "range", "linspace"}
 LOSSES = {"cross_entropy", "nll_loss"}
@@ -145,3 +150,33 @@ def is_weight(node: torch.fx.Node) -> bool:
 
 def example_value(node: Any) -> Any:
     return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+
+
+def contractions(node: torch.fx.Node, name: str) -> list[list[tuple[torch.fx.Node, int, list[int]]]]:
+    """The indices a product sums over: for each, the (operand, axis, batch axes) of every operand
+    that carries it, where the batch axes are the operand's axes of indices that every carrier
+    shares and the result keeps.  ``name``: matmul, mm, bmm, baddbmm or einsum."""
+    if name == "einsum":
+        equation, *operands = node.args
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = list(operands[0])
+        if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+            return []
+        inputs, output = equation.replace(" ", "").split("->")
+        words = inputs.split(",")
+        result = []
+        for letter in sorted(set("".join(words)) - set(output)):
+            carrying = [(op, word) for op, word in zip(operands, words)
+                        if letter in word and isinstance(op, torch.fx.Node)]
+            shared = [c for c in output if all(c in word for _, word in carrying)]
+            result.append([(op, word.index(letter), [word.index(c) for c in shared])
+                           for op, word in carrying])
+        return result
+    a, b = node.args[-2:] if name == "baddbmm" else node.args[:2]
+    values = [example_value(a), example_value(b)]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return []
+    batch = min(values[0].dim(), values[1].dim()) - 2  # broadcast batch axes, from the right
+    axes = [list(range(v.dim() - 2 - batch, v.dim() - 2)) if batch > 0 else [] for v in values]
+    return [[(a, values[0].dim() - 1, axes[0]),
+             (b, 0 if values[1].dim() == 1 else values[1].dim() - 2, axes[1])]]
