@@ -20,15 +20,18 @@ from loong_compile._compat.aot import fake_mode_of, size_hint
 
 aten = torch.ops.aten
 
-# The attention ops: PyTorch's SDPA kernels (what a single process traces) and the
-# 2D-Attention ring op.  Looked up by name, so a missing op (loong_compile.ops not
-# imported, a kernel absent from this build) is simply not in the set.
+# The attention ops: PyTorch's SDPA kernels (what a single process traces) and 2D-Attention's
+# two forward ops, the ring (causal or full) and the masked one (padding, packed documents,
+# windows): a layer is found by its attention op, so one missing here leaves its layers to no
+# policy.  Looked up by name, so a missing op (loong_compile.ops not imported, a kernel absent
+# from this build) is simply not in the set.
 ATTENTION_OP_NAMES = (
     "aten._scaled_dot_product_flash_attention_for_cpu",
     "aten._scaled_dot_product_flash_attention",
     "aten._scaled_dot_product_efficient_attention",
     "aten._scaled_dot_product_cudnn_attention",
     "loong.ring_attention_fwd",
+    "loong.masked_attention_fwd",
 )
 
 

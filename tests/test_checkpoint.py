@@ -3,6 +3,8 @@ and what the partition makes of them (attention never recomputed)."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
@@ -37,6 +39,28 @@ def test_attention_ops_are_looked_up_by_name():
             "aten._scaled_dot_product_efficient_attention"} <= names
     import loong_compile.ops  # noqa: F401  registers the ring op
     assert "loong.ring_attention_fwd" in {str(op) for op in attention_ops()}
+
+
+@pytest.mark.parametrize("op", ["ring_attention_fwd", "masked_attention_fwd"])
+def test_a_layer_is_found_by_either_2d_attention_op(op):
+    # The masked op runs every padded, packed or windowed model under hp*cp > 1: its layers
+    # went unfound, so sc++ and memo silently left them to Inductor's partition (issue 23)
+    import loong_compile.ops  # noqa: F401  registers the ops
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(1, 2, 4, 8)
+    in_layer = {"nn_module_stack": {"layers.0": ("L['self'].layers[0]", torch.nn.Module)}}
+    attention = graph.call_function(getattr(torch.ops.loong, op).default, (x, x, x))
+    out = graph.call_function(operator.getitem, (attention, 0))
+    residual = graph.call_function(torch.ops.aten.add.Tensor, (x, out))
+    for node in (attention, out, residual):
+        node.meta.update(in_layer, val=x.meta["val"])
+    head = graph.call_function(torch.ops.aten.neg.default, (residual,))
+    head.meta.update(nn_module_stack={"norm": ("L['self'].norm", torch.nn.Module)}, val=x.meta["val"])
+    graph.output(head)
+    layers = find_layers(graph)
+    assert layers.names == ["layers.0"] and layers.attention == {0: [attention]}
+    assert layers.inputs == {0: [x]} and layers.leaving == {residual}
 
 
 def _tags(policy, model="example", make=None):
