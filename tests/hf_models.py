@@ -1,7 +1,8 @@
 """Tiny Hugging Face models built from their config classes (no download), for the trust matrix.
 
-Every architecture gets the same small sizes (one layer, two for Gemma3's and Exaone4's sliding
-+ full pair; width 32, 4 heads of 8, 2 KV heads where the model has GQA), no dropout, and a
+Every architecture gets the same small sizes (one layer, two where layers differ by type:
+a sliding + full pair, a layer with RoPE + one without, a linear-attention + a full one;
+width 32, 4 heads of 8, 2 KV heads where the model has GQA), no dropout, and a
 window only when a case asks for one.  One layer keeps the matrix's compile time down; what a layer computes is the
 same in every layer.
 """
@@ -126,21 +127,121 @@ def _olmoe(attn, window):
     return OlmoeForCausalLM(OlmoeConfig(**_common(attn), num_experts=4, num_experts_per_tok=2))
 
 
+# Dense families whose layers differ from Llama's in what they do with positions, windows or
+# scales (issue 23): each is token-local outside its attention, so each must be exact.
+def _cohere2(attn, window):
+    # local/global pattern: sliding layers rotate q/k, the full layer has no RoPE (NoPE); Cohere's
+    # parallel block (attention and MLP read one norm) and its logit_scale
+    from transformers import Cohere2Config, Cohere2ForCausalLM
+    return Cohere2ForCausalLM(Cohere2Config(
+        **_common(attn) | {"num_hidden_layers": 2}, sliding_window=window or 4096,
+        layer_types=["sliding_attention", "full_attention"], logit_scale=0.5))
+
+
+def _smollm3(attn, window):
+    # NoPE layers: the second layer applies no rotary embedding
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+    return SmolLM3ForCausalLM(SmolLM3Config(**_common(attn) | {"num_hidden_layers": 2},
+                                            no_rope_layers=[1, 0], pad_token_id=0))
+
+
+def _phi(attn, window):
+    # partial rotary (half of each head), parallel attention and MLP
+    from transformers import PhiConfig, PhiForCausalLM
+    return PhiForCausalLM(PhiConfig(**_common(attn), partial_rotary_factor=0.5))
+
+
+def _gptj(attn, window):
+    # parallel block, rotary on the first 4 of 8 dims, interleaved (rotate_every_two)
+    from transformers import GPTJConfig, GPTJForCausalLM
+    return GPTJForCausalLM(GPTJConfig(vocab_size=VOCAB, n_embd=WIDTH, n_layer=LAYERS, n_head=4,
+                                      rotary_dim=4, n_positions=256, attn_implementation=attn))
+
+
+def _cohere(attn, window):
+    from transformers import CohereConfig, CohereForCausalLM
+    return CohereForCausalLM(CohereConfig(**_common(attn), logit_scale=0.5))
+
+
+def _falcon(attn, window):
+    # parallel attention and MLP, grouped KV heads (the new decoder architecture)
+    from transformers import FalconConfig, FalconForCausalLM
+    return FalconForCausalLM(FalconConfig(
+        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_kv_heads=2, new_decoder_architecture=True, parallel_attn=True, ffn_hidden_size=48,
+        max_position_embeddings=256, attn_implementation=attn))
+
+
+def _granite(attn, window):
+    # every multiplier away from 1: embeddings, residuals, the attention scale, the logits
+    from transformers import GraniteConfig, GraniteForCausalLM
+    return GraniteForCausalLM(GraniteConfig(**_common(attn), embedding_multiplier=2.0,
+                                            residual_multiplier=0.5, attention_multiplier=0.2,
+                                            logits_scaling=4.0))
+
+
 ARCHITECTURES = {
     "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "gemma3": _gemma3,
     "phi3": _phi3, "olmo2": _olmo2, "gpt_neox": _gpt_neox, "gpt2": _gpt2,
     "starcoder2": _starcoder2, "exaone4": _exaone4, "deepseek_v3": _deepseek_v3,
+    "cohere2": _cohere2, "smollm3": _smollm3, "phi": _phi, "gptj": _gptj, "cohere": _cohere,
+    "falcon": _falcon, "granite": _granite,
     "mixtral": _mixtral, "qwen3moe": _qwen3moe, "olmoe": _olmoe, "deepseek_v3_moe": _deepseek_v3_moe,
 }
 # mixtures of experts: transformers' grouped_mm experts (4 experts, 2 per token) have no float64
 # kernel on CPU (torch.nn.functional.grouped_mm takes float32, bfloat16 and float16)
 MOE = ("mixtral", "qwen3moe", "olmoe", "deepseek_v3_moe")
-WINDOWED = ("qwen2", "qwen3", "mistral", "gemma3", "phi3", "starcoder2", "exaone4")
+
+
+# Architectures that mix tokens outside attention (a scan, a convolution, a chunked or sink-
+# extended softmax): refused by name under hp*cp > 1 (tests/test_trust_matrix.py).  MLPs dense
+# where the family allows it, so that the refusal is the mixing's, not the experts'.
+def _qwen3_next(attn, window):
+    # gated delta rule (a causal conv1d and a chunked recurrence) in the linear-attention layer
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    return Qwen3NextForCausalLM(Qwen3NextConfig(
+        **_common(attn) | {"num_hidden_layers": 2}, head_dim=8,
+        layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, mlp_only_layers=[0, 1]))
+
+
+def _falcon_h1(attn, window):
+    # Mamba2 mixer (a causal conv1d and a selective scan) beside attention in every layer
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+    return FalconH1ForCausalLM(FalconH1Config(
+        **_common(attn), mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
+        mamba_d_conv=4, mamba_chunk_size=16))
+
+
+def _llama4(attn, window):
+    # chunked attention (tokens see only their own chunk of 16) on the first layer, NoPE on the
+    # second; dense MLPs
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    return Llama4ForCausalLM(Llama4TextConfig(
+        **_common(attn) | {"num_hidden_layers": 2}, head_dim=8, intermediate_size_mlp=48,
+        attention_chunk_size=16, moe_layers=[], no_rope_layers=[1, 0],
+        layer_types=["chunked_attention", "full_attention"]))
+
+
+def _gpt_oss(attn, window):
+    # attention sinks: a learned logit per head joins each softmax (eager only: transformers
+    # refuses sdpa for it)
+    from transformers import GptOssConfig, GptOssForCausalLM
+    return GptOssForCausalLM(GptOssConfig(
+        **_common(attn) | {"num_hidden_layers": 2}, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, experts_implementation="eager", sliding_window=window or 4096,
+        layer_types=["sliding_attention", "full_attention"]))
+
+
+MIXING_ARCHITECTURES = {"qwen3_next": _qwen3_next, "falcon_h1": _falcon_h1, "llama4": _llama4,
+                        "gpt_oss": _gpt_oss}
+WINDOWED = ("qwen2", "qwen3", "mistral", "gemma3", "phi3", "starcoder2", "exaone4", "cohere2")
 
 
 def build(arch: str, attn: str = "sdpa", window: int | None = None,
           dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.nn.Module:
     """The model in train mode, weights drawn from ``seed``, cast to ``dtype``."""
     torch.manual_seed(seed)
-    model = ARCHITECTURES[arch](attn, window)
+    model = (ARCHITECTURES | MIXING_ARCHITECTURES)[arch](attn, window)
     return model.to(dtype).train()

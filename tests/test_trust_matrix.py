@@ -1,5 +1,5 @@
-"""Exact or refused: the Hugging Face architectures of tests/hf_models.py x attention x windows
-x users' habits.
+"""Exact or refused: eighteen Hugging Face architectures x attention x windows x users' habits,
+and four that mix tokens outside attention (refused whatever the habit).
 
 Every case runs one training step under backend="loong" (aot_eager, float64 unless bf16;
 float32 for the mixtures of experts, whose grouped_mm has no float64 kernel on CPU) on
@@ -25,10 +25,22 @@ REFUSED_HABITS = {
 EAGER = ("LoongTokenMixingError", ["token x token", "attn_implementation='sdpa'"])
 # GPT-2's loss runs in a graph of its own after a graph break: no attention in it
 NO_ATTENTION = ("LoongTokenMixingError", ["no attention call", "allow_graphs_without_attention"])
+# what mixes tokens outside attention, named (issue 23); gpt-oss's sinks sit in its eager
+# attention (transformers refuses to build it with sdpa), refused there as any eager attention
+MIXING = {
+    "qwen3_next": ("LoongTokenMixingError", ["conv1d", "slides over the token axis",
+                                             "linear_attn", "hp=cp=1"]),
+    "falcon_h1": ("LoongTokenMixingError", ["attention type is hybrid", "hp=cp=1"]),
+    "llama4": ("LoongUnsupportedError", ["attn_mask", "no document/padding/window structure",
+                                         "hp=cp=1"]),
+    "gpt_oss": ("LoongTokenMixingError", ["token x token", "eager_attention_forward", "hp=cp=1"]),
+}
 
 
 def expected(case: Case) -> tuple[str, list[str]] | None:
     """(error class, message words) for a refused case; None for an exact one."""
+    if case.arch in MIXING:
+        return MIXING[case.arch]
     if case.attn == "eager":
         return EAGER
     if case.arch == "gpt2" and case.habit == "shift_labels":
@@ -45,7 +57,11 @@ HP_CASES = [Case("mistral", window=WINDOW_SHORT), Case("llama"), Case("qwen3", h
             Case("llama", habit="packed_use_cache_false"), Case("qwen2", habit="padding"),
             Case("gemma3", window=WINDOW_SHARD, habit="packed_use_cache_false"),
             Case("llama", habit="autocast_bf16"), Case("exaone4", window=WINDOW_SHORT),
-            Case("deepseek_v3"), Case("deepseek_v3_moe"), Case("mixtral"), Case("qwen3moe", habit="shift_labels"), Case("olmoe")]
+            Case("deepseek_v3"), Case("deepseek_v3_moe"), Case("mixtral"), Case("qwen3moe", habit="shift_labels"), Case("olmoe"),
+            Case("cohere2", window=WINDOW_SHARD), Case("smollm3"), Case("phi"), Case("gptj"),
+            Case("falcon"), Case("granite", habit="shift_labels"),
+            Case("llama", habit="grad_ckpt_reentrant"), Case("llama", habit="eval_no_grad")]
+HP_CASES += [Case(arch, attn="eager" if arch == "gpt_oss" else "sdpa") for arch in MIXING]
 
 
 @pytest.fixture(scope="module")

@@ -21,18 +21,21 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import loong_error_in  # noqa: E402
-from hf_models import ARCHITECTURES, MOE, WINDOWED, build  # noqa: E402
+from hf_models import ARCHITECTURES, MIXING_ARCHITECTURES, MOE, WINDOWED, build  # noqa: E402
 
 BATCH, SEQ = 2, 48
 # on 2 ranks a rank holds 24 tokens: shorter than a rank's share, between it and the sequence,
 # longer than the sequence
 WINDOW_SHARD, WINDOW_SHORT, WINDOW_LONG = 16, 32, 64
-FLOAT32_INSIDE = ("gemma3",)
+FLOAT32_INSIDE = ("gemma3", "cohere", "cohere2")
 # every architecture gets the habits that depend on its code; the habits that depend on
 # transformers' shared code (masks, caches) or on ours run on four architectures
 HABITS_EVERY_ARCH = ("plain", "labels", "shift_labels", "no_position_ids")
-HABITS_SAMPLED = ("use_cache_false", "grad_ckpt", "padding", "packed", "packed_use_cache_false",
-                  "bf16", "autocast_bf16", "no_shard_batch")
+# grad_ckpt: transformers' default (use_reentrant=False); eval_no_grad: the forward alone under
+# torch.no_grad() in eval mode, the logits compared too
+HABITS_SAMPLED = ("use_cache_false", "grad_ckpt", "grad_ckpt_reentrant", "padding", "packed",
+                  "packed_use_cache_false", "bf16", "autocast_bf16", "no_shard_batch",
+                  "eval_no_grad")
 SAMPLED_ARCHS = ("llama", "qwen2", "gemma3", "gpt2")
 LONG_WINDOW_ARCHS = ("mistral", "gemma3", "qwen3")
 # the router's load-balancing loss (each model's own code: statistics over the whole sequence's
@@ -50,6 +53,7 @@ LM_HEAD_CHUNK, SOFTCAP = 8, 0.1
 # (the example Llama: 1.3e-7, with the LM-head pass and without it alike).  A token chunk lost
 # or counted twice, or a token seen by the wrong query, is off by more than 1e-2.
 INDUCTOR_TOLERANCE = 1e-5
+TABLE_COLUMNS = 11  # models per table in docs/usage.md (two tables: the first eleven, the rest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +83,15 @@ def all_cases() -> list[Case]:
     cases += [Case(arch, window=WINDOW_SHARD, habit=habit) for arch in LONG_WINDOW_ARCHS
               for habit in ("plain", "packed_use_cache_false")]
     cases += [Case(arch, window=WINDOW_SHARD, habit="padding") for arch in ("qwen2", "mistral")]
-    cases += [Case("exaone4", window=WINDOW_SHARD)]
+    cases += [Case(arch, window=WINDOW_SHARD) for arch in ("exaone4", "cohere2")]
     cases += [Case("deepseek_v3", habit="packed_use_cache_false")]  # MLA in the masked exchange
     # DeepSeek-V3's transformers model computes no load-balancing loss: the others only
     cases += [Case(arch, habit=habit) for arch in MOE if arch != "deepseek_v3_moe"
               for habit in MOE_HABITS]
     cases += [Case("mixtral", habit=habit) for habit in EXPERTS_HABITS]
+    # transformers builds gpt-oss with eager attention only (its sinks): sdpa is refused there
+    cases += [Case(arch, attn="eager" if arch == "gpt_oss" else "sdpa")
+              for arch in MIXING_ARCHITECTURES]
     return cases
 
 
@@ -128,9 +135,10 @@ def _dtype(case: Case) -> torch.dtype:
 def _model_for(case: Case) -> torch.nn.Module:
     model = _experts_setup(case, _loss_in_graph_setup(case, build(case.arch, case.attn, case.window,
                                                                    _dtype(case))))
-    if case.habit == "grad_ckpt":
-        model.gradient_checkpointing_enable()
-    return model
+    if case.habit.startswith("grad_ckpt"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": case.habit == "grad_ckpt_reentrant"})
+    return model.eval() if case.habit == "eval_no_grad" else model
 
 
 def _loss_in_graph_setup(case: Case, model: torch.nn.Module) -> torch.nn.Module:
@@ -186,6 +194,11 @@ def reference(case: Case, dtype: torch.dtype | None = None,
     if case.habit.endswith("padding"):
         kwargs["attention_mask"] = padding_mask()
         labels = labels.masked_fill(_shifted(padding_mask()) == 0, -100)
+    if case.habit == "eval_no_grad":
+        with torch.no_grad():
+            logits = model.eval()(ids, **kwargs).logits
+        loss = _summed_loss(logits, labels, _label_count())
+        return loss.item(), {"logits": logits.double().numpy()}
     with _autocast(case) if autocast else contextlib.nullcontext():
         if case.habit in ("labels", "shift_labels", "loss_in_graph", "loss_in_graph_padding",
                           "router_aux_loss"):
@@ -234,15 +247,19 @@ def _distributed_step(case: Case, hp: int, cp: int, extra_options: dict | None =
     from loong_compile.parallel.tokens import mesh_token_indices
 
     if case.habit.startswith("loss_in_graph"):
-        return loss_in_graph_step(case, hp, cp, "aot_eager")[:2]
+        return (*loss_in_graph_step(case, hp, cp, "aot_eager")[:2], {})
 
     mesh = lc.init_mesh(hp=hp, cp=cp)
     model = _model_for(case)
     options = {"hp": hp, "cp": cp, "lowering": "aot_eager", "rank_check_timeout": 120,
                **(extra_options or {})}
-    if case.habit == "grad_ckpt":  # Dynamo breaks the graph before the LM head: the fix the
-        options["allow_graphs_without_attention"] = True  # refusal of that graph names
-    compiled = torch.compile(model, backend="loong", options=options)
+    # grad_ckpt: Dynamo breaks the graph before the LM head: the fix the refusal of that graph
+    # names.  The token-mixing architectures: gpt-oss breaks before its first attention; with
+    # the option the refusal is the mixing's own, and never wrong
+    if case.habit.startswith("grad_ckpt") or case.arch in MIXING_ARCHITECTURES:
+        options["allow_graphs_without_attention"] = True
+    reports = []
+    compiled = torch.compile(model, backend=lc.LoongBackend(options, on_report=reports.append))
     ids = token_ids()
     documents = packed_documents() if case.habit.startswith("packed") else None
     batch = lc.shard_batch(ids, ids, mesh, document_ids=documents)
@@ -261,6 +278,12 @@ def _distributed_step(case: Case, hp: int, cp: int, extra_options: dict | None =
     if case.habit == "no_shard_batch":  # every rank feeds the whole sequence
         inputs, labels = ids, _shifted(ids)
         kwargs["position_ids"] = torch.arange(SEQ).expand(BATCH, -1).contiguous()
+    if case.habit == "eval_no_grad":
+        with torch.no_grad():
+            logits = compiled(inputs, **kwargs).logits
+        loss = _summed_loss(logits, labels, count).detach()
+        dist.all_reduce(loss)
+        return loss.item(), {"logits": lc.gather_sequence(logits, mesh)}, work_done(reports)
     with _autocast(case):
         if case.habit == "labels":
             loss = compiled(inputs, labels=labels, **kwargs).loss
@@ -280,7 +303,24 @@ def _distributed_step(case: Case, hp: int, cp: int, extra_options: dict | None =
             grad = p.grad.double()
             dist.all_reduce(grad)
             grads[name] = grad
-    return loss.item(), grads
+    return loss.item(), grads, work_done(reports)
+
+
+def work_done(reports: list) -> dict:
+    """What the activation policy and the memory plan did on this rank's graphs: the nodes sc++
+    tagged for recompute, the bytes memo offloaded and recomputed, and each memory plan's
+    status (a policy that touched nothing would make its case prove nothing)."""
+    done = {"recompute_tags": 0, "host_bytes": 0, "recomputed_bytes": 0, "memory_plan": []}
+    unique = {id(report): report for report in reports}.values()   # published after each stage
+    for record in (r for report in unique for r in report.passes):
+        if record.name == "selective_checkpoint":
+            done["recompute_tags"] += record.summary["changed"]["prefer_recompute"]
+        elif record.name == "offload":
+            done["host_bytes"] += record.summary.get("host_bytes", 0)
+            done["recomputed_bytes"] += record.summary.get("recomputed_bytes", 0)
+        elif record.name == "memory_plan":
+            done["memory_plan"].append(record.summary["status"])
+    return done
 
 
 def loss_in_graph_step(case: Case, hp: int, cp: int, lowering: str):
@@ -327,16 +367,17 @@ def loss_in_graph_step(case: Case, hp: int, cp: int, lowering: str):
 
 def run_cases(rank: int, world: int, hp: int, cp: int, cases: list[Case],
               extra_options: dict | None = None) -> dict:
-    """On every rank: each case's outcome, ("ok", loss, grads) on rank 0 or ("refused", ...);
-    ``extra_options`` go to the backend beside the mesh (e.g. Inductor and a policy)."""
+    """On every rank: each case's outcome, ("ok", loss, grads, work_done) on rank 0 or
+    ("refused", ...); ``extra_options`` go to the backend beside the mesh (e.g. Inductor and a
+    policy)."""
     outcomes = {}
     for case in cases:
         torch._dynamo.reset()
         try:
-            loss, grads = _distributed_step(case, hp, cp, extra_options)
+            loss, grads, done = _distributed_step(case, hp, cp, extra_options)
             # numpy, not tensors: tensors travel between processes as file descriptors that die
             # with the rank
-            outcomes[case] = ("ok", loss, {n: g.numpy() for n, g in grads.items()}) \
+            outcomes[case] = ("ok", loss, {n: g.numpy() for n, g in grads.items()}, done) \
                 if rank == 0 else ("ok",)
         except Exception as exc:  # noqa: BLE001 - recorded and judged by the test
             error = loong_error_in(exc)
@@ -351,31 +392,42 @@ def judge(case: Case, outcome: tuple) -> tuple[str, str]:
     """("exact" | "wrong" | "refused" | "crash", detail)."""
     if outcome[0] != "ok":
         return ("refused" if outcome[0] == "refused" else "crash"), f"{outcome[1]}: {outcome[2]}"
-    error, tol = relative_error(outcome[1:], reference(case)), tolerance(case)
+    error, tol = relative_error(outcome[1:3], reference(case)), tolerance(case)
     return ("exact" if error <= tol else "wrong"), f"relative error {error:.1e} (tolerance {tol:.0e})"
 
 
 def markdown(cases: list[Case], results: dict) -> str:
-    """The table of docs/usage.md: one row per (attention, window, habit), one column per model."""
+    """The tables of docs/usage.md: one row per (attention, window, habit), one column per model,
+    ``TABLE_COLUMNS`` models a table; then each refused row's message (its first model's, and
+    each token-mixing architecture's own)."""
     import re
 
     rows: dict[tuple, dict[str, tuple[str, str]]] = {}
     for case in cases:
         rows.setdefault((case.attn, case.window, case.habit), {})[case.arch] = judge(case, results[case])
-    archs = list(ARCHITECTURES)
-    lines = ["| attention, window, habit | " + " | ".join(archs) + " |",
-             "|---|" + "---|" * len(archs)]
-    messages = []
-    for (attn, window, habit), verdicts in rows.items():
-        label = f"{attn}{f', window {window}' if window else ''}, {habit.replace('_', ' ')}"
-        cells = [verdicts[a][0] if a in verdicts else "" for a in archs]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-        refused = [d for v, d in verdicts.values() if v == "refused"]
-        if refused:
-            text = re.sub(r'File "[^"]*/([^/"]+)"', r"\1", refused[0])
-            messages.append(f"- **{label}**: `{text}`")
-    return "\n".join(lines + ["", "What a user sees for each refused row (first model's message):",
-                              ""] + messages)
+    archs = list(ARCHITECTURES) + list(MIXING_ARCHITECTURES)
+    lines, messages = [], []
+    for start in range(0, len(archs), TABLE_COLUMNS):
+        group = archs[start:start + TABLE_COLUMNS]
+        lines += ["| attention, window, habit | " + " | ".join(group) + " |",
+                  "|---|" + "---|" * len(group)]
+        for key, verdicts in rows.items():
+            if any(a in verdicts for a in group):
+                cells = [verdicts[a][0] if a in verdicts else "" for a in group]
+                lines.append(f"| {_label(*key)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    for key, verdicts in rows.items():
+        refused = [(a, d) for a, (v, d) in verdicts.items() if v == "refused"]
+        first = [(None, d) for a, d in refused if a not in MIXING_ARCHITECTURES][:1]
+        for arch, detail in first + [(a, d) for a, d in refused if a in MIXING_ARCHITECTURES]:
+            text = re.sub(r'File "[^"]*/([^/"]+)"', r"\1", detail)
+            messages.append(f"- **{f'{arch}, ' if arch else ''}{_label(*key)}**: `{text}`")
+    return "\n".join(lines + ["What a user sees for each refused row (first model's message, and "
+                              "each token-mixing architecture's):", ""] + messages)
+
+
+def _label(attn: str, window: int | None, habit: str) -> str:
+    return f"{attn}{f', window {window}' if window else ''}, {habit.replace('_', ' ')}"
 
 
 if __name__ == "__main__":
