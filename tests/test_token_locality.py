@@ -109,6 +109,8 @@ def test_what_sums_writes_or_reshapes_across_tokens_is_refused(name, fn, words):
     ("per-token outer product over a token-sized feature axis",
      lambda x: torch.einsum("btd,bte->btde", x, x).sum(-1)),
     ("per-token values flattened", lambda x: (x.sum(-1) * 2).view(-1)),
+    # a weight whose size is a multiple of the tokens (Falcon's x @ W.T, FFN 2T wide)
+    ("weight of token size", lambda x: x @ torch.ones(20, 2 * T).T),
 ])
 def test_per_token_products_writes_and_views_pass(name, fn):
     assert check(fn, hidden(width=2 * T))["matched"] > 0

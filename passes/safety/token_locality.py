@@ -234,7 +234,9 @@ class _Analysis:
         axis), or of two token tensors over an axis of token size; unless a shared batch axis
         holds the tokens of every token operand (a product token by token)."""
         for carriers in contractions(node, name):
-            tokens = [(op, axis, batch) for op, axis, batch in carriers if op in self.tainted]
+            # token data, not a constant shaped like tokens (a weight's transpose of token size)
+            tokens = [(op, axis, batch) for op, axis, batch in carriers if op in self.rows.data
+                      or op.op == "placeholder" and op in self.tainted]
             if not tokens or all(set(batch) & set(self.axes(op)) for op, _, batch in tokens):
                 continue
             if any(axis in self.axes(op) for op, axis, _ in tokens):
