@@ -45,6 +45,7 @@ from loong_compile.passes.attention.attention_2d import ATTENTION_SITES
 from loong_compile.passes.base import Pass, PassContext
 from loong_compile.passes.fx_util import module_path, source_line
 from loong_compile.passes.subgraphs import graph_scopes, hop_name
+from loong_compile.passes.safety.row_ops import writes
 from loong_compile.passes.safety.row_permutation import PROOF, RowPermutations
 from loong_compile.passes.safety.token_ops import (
     ALLOWED_HOPS, ALONG_AXIS, CONVS, COUNTS, LINEAR, LOSSES, MATMULS, POSITIONS, REDUCTIONS,
@@ -369,9 +370,7 @@ def _labels_fix(node: torch.fx.Node) -> str:
 def _written(node: torch.fx.Node) -> torch.fx.Node:
     """The value a node's result lives in: the tensor an in-place write changes (``x[i] = v``
     returns nothing; ``x.index_fill_`` returns x), else the node itself."""
-    name = op_name(node)
-    return node.args[0] if name == "setitem" or name.endswith("_") and not name.endswith("__") \
-        else node
+    return node.args[0] if writes(node) and node.args else node
 
 
 def _describe(node: torch.fx.Node) -> str:
