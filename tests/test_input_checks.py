@@ -265,10 +265,15 @@ def test_a_rank_that_refuses_tells_the_waiting_ranks_within_seconds(two_disagree
 
 def test_verdicts_on_positions():
     expected = local_token_indices(16, 2, 2, 0, 1)     # 12..15
-    assert classify(torch.arange(4)[None], expected) is Verdict.LOCAL
-    assert classify(torch.tensor([[4, 5, 0, 1]]), expected) is Verdict.PACKED
-    assert classify(torch.tensor([[12, 13, 14, 16]]), expected) is Verdict.OTHER
-    assert classify(torch.tensor([[13, 14, 15, 16]]), expected) is Verdict.OTHER
+    def verdict(positions):  # (verdict, holds 0..S_local-1), made on the device
+        found, holds_arange = classify(torch.tensor(positions), expected).tolist()
+        return Verdict(found), bool(holds_arange)
+
+    assert verdict([[12, 13, 14, 15], [12, 13, 14, 15]]) == (Verdict.OK, False)
+    assert verdict([[0, 1, 2, 3]]) == (Verdict.LOCAL, True)
+    assert verdict([[4, 5, 0, 1]]) == (Verdict.PACKED, False)
+    assert verdict([[12, 13, 14, 16]]) == (Verdict.OTHER, False)
+    assert verdict([[13, 14, 15, 16]]) == (Verdict.OTHER, False)
     assert describe(torch.tensor([0, 1, 2, 3, 12, 13, 20])) == "0-3, 12-13, 20"
     ok, packed, local, other = Verdict.OK, Verdict.PACKED, Verdict.LOCAL, Verdict.OTHER
     # a document starting on rank 1's first token: accepted; every rank counting from 0: not

@@ -130,38 +130,45 @@ class PositionCheck:
 
     def __call__(self, args: Sequence[Any]) -> None:
         positions = args[self.index]
-        verdict, detail = self.verdict(positions)
-        # row 0: the ranks' verdicts; row 1: whether each holds exactly 0..S_local-1
+        # row 0: the ranks' verdicts; row 1: whether each holds exactly 0..S_local-1.  Made on
+        # the device and read on the host once, after the all-reduce (one sync per step)
         found = torch.zeros(2, self.mesh.sp, dtype=torch.int64, device=positions.device)
-        found[0, self.place] = verdict
-        found[1, self.place] = positions.dim() > 0 and torch.equal(
-            positions, torch.arange(positions.shape[-1], device=positions.device)
-            .expand_as(positions))
+        found[:, self.place] = self.verdict(positions)
         dist.all_reduce(found, group=resolve_process_group(self.mesh.group_names["sp"]))
-        verdicts = [Verdict(v) for v in found[0].tolist()]
+        verdicts, holds_arange = found.tolist()
+        verdicts = [Verdict(v) for v in verdicts]
         failing = {rank: v for rank, v, bad in zip(
-            self.mesh.sp_ranks, verdicts, refused(verdicts, [bool(f) for f in found[1].tolist()]))
+            self.mesh.sp_ranks, verdicts, refused(verdicts, [bool(f) for f in holds_arange]))
             if bad}
         if failing:
-            raise _error(failing, self.mesh, positions.shape[-1] if positions.dim() else 0, detail,
-                         self.source)
+            raise _error(failing, self.mesh, positions.shape[-1] if positions.dim() else 0,
+                         self.detail(positions), self.source)
 
-    def verdict(self, positions: torch.Tensor) -> tuple[Verdict, str]:
-        """This rank's verdict on ``positions`` and, when not OK, what it holds instead."""
+    def verdict(self, positions: torch.Tensor) -> torch.Tensor:
+        """``(verdict, holds 0..S_local-1)`` of this rank, as a device tensor (no host read)."""
         if positions.dim() == 0:
-            return Verdict.OTHER, f"position_ids is a scalar ({positions.item()})"
+            return torch.tensor([Verdict.OTHER, 0], device=positions.device)
+        try:
+            expected = self._expected_for(positions.shape[-1], positions)
+        except LoongShapeError:
+            return torch.tensor([Verdict.LENGTH, 0], device=positions.device)
+        return classify(positions, expected)
+
+    def detail(self, positions: torch.Tensor) -> str:
+        """What this rank holds instead of the layout's positions (read only to explain)."""
+        if positions.dim() == 0:
+            return f"position_ids is a scalar ({positions.item()})"
         local_len = positions.shape[-1]
         try:
             expected = self._expected_for(local_len, positions)
         except LoongShapeError as e:
-            return Verdict.LENGTH, str(e)
-        if torch.equal(positions, expected.expand_as(positions)):
-            return Verdict.OK, ""
-        verdict = classify(positions, expected)
+            return str(e)
         rows = positions.reshape(-1, local_len)
-        row = next(r for r in rows if not torch.equal(r, expected))
-        return verdict, (f"rank {self.mesh.rank} holds positions {describe(expected)}, its "
-                         f"position_ids are {describe(row)}")
+        row = next((r for r in rows if not torch.equal(r, expected)), None)
+        if row is None:
+            return ""
+        return (f"rank {self.mesh.rank} holds positions {describe(expected)}, its "
+                f"position_ids are {describe(row)}")
 
     def _expected_for(self, local_len: int, like: torch.Tensor) -> torch.Tensor:
         key = (local_len, like.device, like.dtype)
@@ -179,20 +186,22 @@ def refused(verdicts: Sequence[Verdict], holds_arange: Sequence[bool]) -> list[b
     return [v >= Verdict.OTHER or (v is Verdict.LOCAL and counted_per_rank) for v in verdicts]
 
 
-def classify(positions: torch.Tensor, expected: torch.Tensor) -> Verdict:
-    """Why ``positions`` (``(..., S_local)``) are not ``expected`` (``(S_local,)``)."""
-    if torch.equal(positions, torch.arange(len(expected), device=positions.device)
-                   .expand_as(positions)):
-        return Verdict.LOCAL
+def classify(positions: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """``(verdict, holds 0..S_local-1)`` for ``positions`` (``(..., S_local)``) against
+    ``expected`` (``(S_local,)``), computed on their device."""
+    local = (positions == torch.arange(len(expected), device=positions.device)).all()
     # packed: each token's position counts from its document's start, which is at or before
     # the token: 0 <= position <= global position, and along tokens that are neighbours in
     # the sequence the position goes up by one or restarts at 0
     neighbours = expected[1:] == expected[:-1] + 1
     steps_ok = ((positions[..., 1:] == positions[..., :-1] + 1) | (positions[..., 1:] == 0)
                 | ~neighbours)
-    if ((positions >= 0) & (positions <= expected)).all() and steps_ok.all():
-        return Verdict.PACKED
-    return Verdict.OTHER
+    packed = ((positions >= 0) & (positions <= expected)).all() & steps_ok.all()
+    verdict = torch.where((positions == expected).all(), int(Verdict.OK),
+                          torch.where(local, int(Verdict.LOCAL),
+                                      torch.where(packed, int(Verdict.PACKED),
+                                                  int(Verdict.OTHER))))
+    return torch.stack([verdict, local.long()])
 
 
 def describe(positions: torch.Tensor, most: int = 4) -> str:
