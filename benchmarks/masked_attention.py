@@ -10,13 +10,17 @@ rank: attention FLOPs executed (forward + backward, ``14·B·H·D`` per computed
 causal-skipping blocks of ops/ring.py), P2P bytes sent (forward + backward,
 from the ops' counters), and the ideal of each: the pairs the mask allows and
 the KV chunks of this rank that other ranks' allowed pairs read (sent as KV
-forward and backward, dK/dV back in the accumulation dtype).  The median
-fwd+bwd time (slowest rank) is beside them.  Asserts nothing: a table.
+forward and backward, dK/dV back in the accumulation dtype); the received KV
+bytes alive at once (the steps of ops/masked.py: two at most; the Double-Ring's
+two chunks), beside what posting every receive at once would hold; and the
+busiest rank's allowed work over the mean.  The median fwd+bwd time (slowest
+rank) is beside them.  Asserts nothing: a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -57,19 +61,25 @@ def ring_pairs(seq: int, cp: int, cp_rank: int) -> int:
 
 
 def masked_figures(ids: torch.Tensor, window: int | None, cp: int, cp_rank: int):
-    """(pairs computed, pairs allowed, KV columns of this rank sent, ideal KV columns sent)."""
+    """(pairs computed, pairs allowed, KV columns of this rank sent, ideal KV columns sent,
+    KV columns received that are alive at once: now, and if every receive were posted at once)."""
     plan = mask_plan(ids, True, window, cp)
     computed = sum((b.rows[1] - b.rows[0]) * (b.cols[1] - b.cols[0])
                    for b in plan.ranks[cp_rank].blocks) * ids.size(0)
-    lo, hi = key_intervals(ids, True, window)
-    rows = local_token_indices(ids.size(1), cp, 1, cp_rank, 0)
-    allowed = int((hi[:, rows] - lo[:, rows] + 1).clamp_min(0).sum())
+    lo, hi, _ = key_intervals(ids, True, window)
+    rows = local_token_indices(ids.size(1), cp, 1, cp_rank, 0).numpy()
+    allowed = int((hi[:, rows] - lo[:, rows] + 1).clip(min=0).sum())
     columns = sum(stop - start for ranges in plan.serves(cp_rank).values()
                   for start, stop in ranges)
     chunk = ids.size(1) // (2 * cp)
     chunk_plan = mask_plan(ids, True, window, cp, tiles_per_chunk=1)
     ideal_columns = chunk * sum(len(ranges) for ranges in chunk_plan.serves(cp_rank).values())
-    return computed, allowed, columns, ideal_columns
+    # ops/masked.py's steps: step d receives from rank r + d while step d + 1 travels
+    step_columns = [sum(stop - start for start, stop in
+                        plan.ranks[cp_rank].needs.get((cp_rank + d) % cp, ()))
+                    for d in range(1, cp)] + [0]
+    held = max(a + b for a, b in zip(step_columns, step_columns[1:])) if cp > 1 else 0
+    return computed, allowed, columns, ideal_columns, held, sum(step_columns)
 
 
 def run(args, mesh, ids, window):
@@ -120,11 +130,16 @@ def main():
     for name, (ids, window) in problems.items():
         ms, sent = run(args, mesh, ids, window)
         full_ids = torch.zeros(args.batch, args.seq, dtype=torch.long) if ids is None else ids
-        pairs, allowed, _, ideal_columns = masked_figures(full_ids, window, cp, cp_rank)
-        if ids is None and window is None:  # the Double-Ring ran, not the plan
+        pairs, allowed, _, ideal_columns, held, all_at_once = masked_figures(full_ids, window,
+                                                                             cp, cp_rank)
+        held_bytes = (held, all_at_once)
+        if ids is None and window is None:  # the Double-Ring ran, not the plan: 2 KV chunks
             pairs = ring_pairs(args.seq, cp, cp_rank) * args.batch
+            held_bytes = (2 * args.seq // cp, 2 * args.seq // cp)
         ideal_sent = per_column * ideal_columns
-        rows.append((name, cp_rank, pairs * per_pair, allowed * per_pair, sent, ideal_sent, ms))
+        held_bytes = tuple(column_bytes * elem * c for c in held_bytes)
+        rows.append((name, cp_rank, pairs * per_pair, allowed * per_pair, sent, ideal_sent, ms,
+                     *held_bytes))
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
     if dist.get_rank() == 0:
@@ -134,13 +149,17 @@ def main():
               f"{docs} documents (mean {args.seq / docs:.0f} tokens); window {args.seq // 8}; "
               f"median of {args.iters}")
         print(f"{'problem':20s} {'rank':>4s} {'GFLOP':>8s} {'ideal':>8s} {'x':>5s} "
-              f"{'MB sent':>8s} {'ideal':>8s} {'x':>5s} {'fwd+bwd ms':>10s}")
+              f"{'MB sent':>8s} {'ideal':>8s} {'x':>5s} {'KV MB held':>10s} {'at once':>8s} "
+              f"{'fwd+bwd ms':>10s}")
         for rank_rows in zip(*gathered):
-            for name, rank, flops, ideal, sent, ideal_sent, ms in rank_rows:
+            for name, rank, flops, ideal, sent, ideal_sent, ms, held, at_once in rank_rows:
                 ratio = sent / ideal_sent if ideal_sent else float("nan")
                 print(f"{name:20s} {rank:4d} {flops / 1e9:8.3f} {ideal / 1e9:8.3f} "
                       f"{flops / ideal:5.2f} {sent / 1e6:8.2f} {ideal_sent / 1e6:8.2f} "
-                      f"{ratio:5.2f} {ms:10.1f}")
+                      f"{ratio:5.2f} {held / 1e6:10.2f} {at_once / 1e6:8.2f} {ms:10.1f}")
+        for name in dict.fromkeys(row[0] for row in rows):
+            work = [row[3] for rank_rows in gathered for row in rank_rows if row[0] == name]
+            print(f"{name}: allowed work busiest/mean {max(work) / statistics.mean(work):.2f}")
     dist.destroy_process_group()
 
 

@@ -138,7 +138,11 @@ def test_transformers_masks_become_document_ids_and_their_subgraph_dies(padded):
     assert change["mask"]["proven"] == ("causal, key padding from attention_mask" if padded
                                         else "causal, documents from position_ids")
     assert "packed" in change["mask"]["probes"] and change["document_ids"] == docs.name
-    assert len(summary["document_ids"]) == 1 + padded
+    # the step's mask plan, made once from those ids, handed to the call
+    plan = call.kwargs["mask_plan"]
+    assert plan.target is torch.ops.loong.masked_attention_plan.default and plan.args[0] is docs
+    assert [d["node"] for d in summary["document_ids"]][-1] == plan.name
+    assert len(summary["document_ids"]) == 2 + padded
 
 
 def test_masked_calls_in_checkpoint_bodies_share_one_document_ids_call():
@@ -162,10 +166,12 @@ def test_masked_calls_in_checkpoint_bodies_share_one_document_ids_call():
     gm = dynamo_graph(fn, *qkv(kv_heads=H), POSITIONS)
     summary, _ = run_pass(gm)
     assert len(calls(gm, sequence_document_ids)) == 1 and summary["mask_operands_dropped"] == 2
+    assert len(calls(gm, torch.ops.loong.masked_attention_plan.default)) == 1
     bodies = [m for m in gm.modules() if m is not gm and isinstance(m, torch.fx.GraphModule)]
     for body in bodies:
         (call,) = calls(body, attention_2d)
         assert call.kwargs["document_ids"].op == "placeholder"
+        assert call.kwargs["mask_plan"].op == "placeholder"
         assert all(p.users for p in body.graph.find_nodes(op="placeholder"))
     assert not _mask_ops(gm)
 

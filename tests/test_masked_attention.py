@@ -47,7 +47,8 @@ def test_plan_computes_exactly_the_blocks_with_allowed_pairs(cp, seq, is_causal,
     exactly the columns its blocks read."""
     gen = torch.Generator().manual_seed(seed)
     ids = random_documents(gen, 2, seq, pad_start, pad_end)
-    allowed = allowed_pairs(ids, is_causal, window).any(0)  # the batch union
+    allowed_each = allowed_pairs(ids, is_causal, window)
+    allowed = allowed_each.any(0)  # the batch union
     plan = mask_plan(ids, is_causal, window, cp, TILES_PER_CHUNK)
     positions = [local_token_indices(seq, cp, 1, r, 0) for r in range(cp)]
     edges = tile_edges(seq, cp, TILES_PER_CHUNK)
@@ -60,6 +61,8 @@ def test_plan_computes_exactly_the_blocks_with_allowed_pairs(cp, seq, is_causal,
             rows = positions[rank][slice(*block.rows)]
             cols = positions[block.owner][slice(*block.cols)]
             assert allowed[rows][:, cols].any(), f"rank {rank}: block {block} has no allowed pair"
+            # contiguous documents: full exactly when every pair is allowed in every batch row
+            assert block.full == bool(allowed_each[:, rows][:, :, cols].all()), (rank, block)
             covered[rows.unsqueeze(1), cols.unsqueeze(0)] += 1
             q_tiles, k_tiles = tile_of[rows].unique(), tile_of[cols].unique()
             assert len(q_tiles) == len(k_tiles) == 1, "a block stays inside one tile pair"
@@ -169,17 +172,20 @@ def test_bad_masks_are_refused(kwargs, what):
 
 @pytest.mark.parametrize("v_head_dim", [8, 12])  # V's own head dim (MLA)
 def test_opcheck_masked_ops_and_document_ids_on_one_process(v_head_dim):
-    """Fake kernels, schemas and autograd registration of the new ops (cp = hp = 1: no group)."""
+    """Fake kernels, schemas and autograd registration of the masked ops, the step's plan and the
+    document ids (cp = hp = 1: no group)."""
     gen = torch.Generator().manual_seed(5)
     ids = random_documents(gen, 2, 16, 1, 2)
     q, k, v, dout = (torch.randn(2, 2, 16, d, generator=gen, dtype=torch.float64)
                      for d in (8, 8, v_head_dim, v_head_dim))
-    args = (ids, True, 5, 0.3, 1, "")
+    handle = torch.ops.loong.masked_attention_plan(ids, 16, True, 5, 1, "")
+    args = (ids, handle, True, 5, 0.3, 1, "")
     out, lse = torch.ops.loong.masked_attention_fwd(q, k, v, *args)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     checks = {
         "fwd": (torch.ops.loong.masked_attention_fwd, (*leaves, *args)),
         "bwd": (torch.ops.loong.masked_attention_bwd, (dout, q, k, v, out, lse, *args)),
+        "plan": (torch.ops.loong.masked_attention_plan, (ids, 16, True, 5, 1, "")),
         "document_ids": (torch.ops.loong.sequence_document_ids,
                          (torch.arange(16).remainder(5).expand(2, 16), (ids >= 0).long(),
                           1, 1, "", "", "")),

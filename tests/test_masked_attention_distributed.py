@@ -132,6 +132,36 @@ def _document_ids_check(hp, cp, placement):
     return torch.equal(got, want), got.tolist()
 
 
+def _held_kv_buffers(hp, cp, placement):
+    """The most received KV buffers alive at once in a forward + backward where every rank
+    reads every other's keys (one document as long as the sequence)."""
+    import weakref
+    from unittest import mock
+
+    from loong_compile.ops import masked
+
+    alive: list = []
+    most = [0]
+
+    class Tracked(masked.DirectExchange):
+        def __init__(self, group_name, sends, receives, tag=0):
+            super().__init__(group_name, sends, receives, tag)
+            if tag == masked.KV_TAG:
+                alive[:] = [r for r in alive if r() is not None]
+                alive.extend(weakref.ref(t) for t in receives.values())
+                most[0] = max(most[0], len(alive))
+
+    mesh = init_mesh(hp=hp, cp=cp, placement=placement)
+    gen = torch.Generator().manual_seed(7)
+    local = [torch.randn(BATCH, max(4, hp), SEQ // (hp * cp), HEAD_DIM, generator=gen,
+                         dtype=torch.float64).requires_grad_() for _ in range(3)]
+    with mock.patch.object(masked, "DirectExchange", Tracked):
+        out = attention_2d(*local, is_causal=False, document_ids=ONE_DOC_PADDED_END,
+                           **mesh.attention_kwargs())
+        torch.autograd.grad(out.sum(), local)
+    return most[0]
+
+
 def _suite(rank, world, configs):
     sections = Sections()
     for config in configs:
@@ -139,6 +169,7 @@ def _suite(rank, world, configs):
     for hp, cp, placement, w in configs:
         if w == 1:
             sections.run(("documents", hp, cp, placement), _document_ids_check, hp, cp, placement)
+            sections.run(("held", hp, cp, placement), _held_kv_buffers, hp, cp, placement)
     return sections.results
 
 
@@ -158,6 +189,9 @@ def _assert_all(results, configs):
         if key[0] == "documents":
             for rank, (equal, got) in enumerate(section_results(results, key)):
                 assert equal, f"rank {rank} {key}: {got}"
+        if key[0] == "held":  # at most two KV buffers received at once, as in the ring
+            for rank, held in enumerate(section_results(results, key)):
+                assert held <= 2, f"rank {rank} {key}: {held} received KV buffers alive at once"
     assert checked
 
 

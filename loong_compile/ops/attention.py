@@ -30,6 +30,7 @@ from loong_compile.errors import LoongMeshError, LoongShapeError
 from loong_compile.parallel.rules import head_violation, inner_ring_violation
 from loong_compile.ops.alltoall import seq_all_to_all
 from loong_compile.ops.masked import masked_attention_fwd
+from loong_compile.ops.step_mask import masked_attention_plan
 from loong_compile.ops.ring import ring_attention_fwd
 
 
@@ -37,7 +38,8 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: flo
                  hp: int = 1, cp: int = 1, inner_ring: int = 1, hp_group: str = "",
                  kv_inner_group: str = "", kv_outer_group: str = "", dkv_inner_group: str = "",
                  dkv_outer_group: str = "", return_lse: bool = False, enable_gqa: bool = True,
-                 document_ids: Tensor | None = None, window: int | None = None):
+                 document_ids: Tensor | None = None, window: int | None = None,
+                 mask_plan: Tensor | None = None):
     """Distributed exact attention of this rank's tokens; ``(B, H, S/sp, D_v)``: q's batch,
     heads and tokens, v's head dim.
 
@@ -48,7 +50,10 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: flo
     sees and is seen by nothing).  ``window``: with ``is_causal``, key ``j`` is
     seen only if ``i - j < window`` (transformers' sliding window).  A row that
     sees no key returns zeros (LSE ``-inf``).  With either given, the CP step is
-    the masked direct exchange of ops/masked.py instead of the Double-Ring.
+    the masked direct exchange of ops/masked.py instead of the Double-Ring.  Its plan is
+    made on the host from one copy of the ids: pass ``mask_plan=masked_attention_plan(ids,
+    S, is_causal, window or 0, cp, dkv_outer_group)`` made once per step to every layer's
+    call (as the backend does), else each call makes its own (ops/step_mask.py).
 
     K/V may have fewer heads than q (GQA).  ``enable_gqa=False`` is SDPA's:
     K/V have q's head count or one head (which broadcasts); any other count
@@ -76,9 +81,12 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: flo
     if document_ids is None and window is None:
         out, lse = ring_attention_fwd(q, k, v, is_causal, scale, cp, inner_ring, *ring_groups)
     else:
-        if document_ids is None:
-            document_ids = q.new_zeros((q.size(0), seq_len), dtype=torch.int64)
-        out, lse = masked_attention_fwd(q, k, v, document_ids.to(torch.int64), is_causal,
+        if document_ids is not None:
+            document_ids = document_ids.to(torch.int64)
+        if mask_plan is None:
+            mask_plan = masked_attention_plan(document_ids, seq_len, is_causal, window or 0, cp,
+                                              dkv_outer_group)
+        out, lse = masked_attention_fwd(q, k, v, document_ids, mask_plan, is_causal,
                                         window or 0, scale, cp, dkv_outer_group)
     if hp > 1:
         (out,) = seq_all_to_all([out], 2, 1, hp, hp_group)

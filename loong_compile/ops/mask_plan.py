@@ -1,6 +1,7 @@
 """The plan of masked 2D-Attention: which blocks of a CP group hold allowed (query, key) pairs.
 
-Pure: no collectives, no process groups.  Every CP rank evaluates the same plan
+Pure host work (numpy, on one host copy of the ids): no collectives, no process groups, no
+device reads beyond that copy.  Every CP rank evaluates the same plan
 from the global document ids, the window and the token layout of
 ``loong_compile.parallel.tokens``, so the ranks agree on who sends what to whom without
 talking; the benchmark and the tests evaluate it the same way.
@@ -17,7 +18,8 @@ to ``TILES_PER_CHUNK`` tiles of at least ``MIN_TILE`` tokens (finer tiles crop
 closer to a window's band or a short document, at one kernel call each).  A (query tile, key tile) pair is a *block*: it is
 computed iff some query row of the tile sees some key of the other tile, and
 then only on the rows and columns that hold allowed pairs (the crop, the union
-over the batch).  A CP rank receives from each other rank only the key columns
+over the batch); a block whose every pair is allowed in every batch row is *full* and runs
+without a mask.  A CP rank receives from each other rank only the key columns
 its blocks read (at most one range per chunk of that rank), so blocks with no
 allowed pair are neither computed nor sent.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
+import numpy as np
 from torch import Tensor
 
 from loong_compile.parallel.tokens import shard_chunks
@@ -42,6 +44,7 @@ class Block(NamedTuple):
     owner: int
     rows: Range
     cols: Range
+    full: bool = False  # every (row, column) pair allowed in every batch row: no mask needed
 
 
 class RankPlan(NamedTuple):
@@ -60,29 +63,48 @@ class MaskPlan(NamedTuple):
                 if rank in plan.needs}
 
 
-def key_intervals(document_ids: Tensor, is_causal: bool,
-                  window: int | None) -> tuple[Tensor, Tensor]:
-    """Per token, ``(lo, hi)``: the inclusive global key interval it may see, ``(B, S)`` int64.
+def host_document_ids(document_ids: Tensor | np.ndarray | None,
+                      seq_len: int | None = None) -> np.ndarray:
+    """``(B, S)`` int64 ids on the host: one copy of a tensor (the step's one device read), or one
+    document of ``seq_len`` tokens when there are no ids (a window alone)."""
+    if document_ids is None:
+        return np.zeros((1, seq_len), dtype=np.int64)
+    if isinstance(document_ids, Tensor):
+        return document_ids.detach().cpu().numpy().astype(np.int64, copy=False)
+    return np.asarray(document_ids, dtype=np.int64)
 
-    Empty (``lo > hi``) for padding (negative ids).  Exact for documents that are
-    contiguous runs; otherwise the interval from a document's first to its last token.
+
+def key_intervals(document_ids: Tensor | np.ndarray, is_causal: bool,
+                  window: int | None) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Per token, ``(lo, hi)``: the inclusive global key interval it may see, ``(B, S)`` int64,
+    and whether the intervals are exact (every document one contiguous run of tokens).
+
+    Empty (``lo > hi``) for padding (negative ids).  Otherwise the interval from a document's
+    first to its last token.
     """
-    ids = document_ids.detach().to("cpu", torch.int64)
+    ids = host_document_ids(document_ids)
     batch, seq = ids.shape
-    pos = torch.arange(seq).expand(batch, seq)
-    rows = torch.arange(batch).unsqueeze(1).expand(batch, seq)
-    _, inverse = torch.unique(torch.stack([rows.flatten(), ids.flatten()]), dim=1,
-                              return_inverse=True)
-    groups = int(inverse.max()) + 1
-    first = torch.full((groups,), seq).scatter_reduce(0, inverse, pos.flatten(), "amin")
-    last = torch.full((groups,), -1).scatter_reduce(0, inverse, pos.flatten(), "amax")
-    lo, hi = first[inverse].view(batch, seq), last[inverse].view(batch, seq)
+    pos = np.tile(np.arange(seq), batch)
+    # group the tokens by (row, id): a stable sort keeps each group's positions ascending
+    key = np.repeat(np.arange(batch), seq) * (int(ids.max()) - int(ids.min()) + 1) + \
+        (ids.ravel() - ids.min())
+    order = np.argsort(key, kind="stable")
+    starts = np.r_[True, key[order][1:] != key[order][:-1]]
+    ends = np.r_[starts[1:], True]
+    group = np.empty(key.size, dtype=np.int64)
+    group[order] = np.cumsum(starts) - 1
+    first, last = pos[order][starts], pos[order][ends]
+    sizes = np.diff(np.r_[np.flatnonzero(starts), key.size])
+    padding = ids.ravel()[order][starts] < 0
+    exact = bool(np.all((last - first + 1 == sizes) | padding))
+    lo, hi = first[group].reshape(batch, seq), last[group].reshape(batch, seq)
+    token = np.arange(seq)
     if is_causal:
-        hi = torch.minimum(hi, pos)
+        hi = np.minimum(hi, token)
     if window is not None:
-        lo = torch.maximum(lo, pos - window + 1)
-    padding = ids < 0
-    return lo.masked_fill(padding, seq), hi.masked_fill(padding, -1)
+        lo = np.maximum(lo, token - window + 1)
+    lo[ids < 0], hi[ids < 0] = seq, -1
+    return lo, hi, exact
 
 
 def tile_edges(seq_len: int, cp: int, tiles_per_chunk: int | None = None) -> list[int]:
@@ -97,38 +119,35 @@ def tile_edges(seq_len: int, cp: int, tiles_per_chunk: int | None = None) -> lis
     return sorted(edges)
 
 
-def mask_plan(document_ids: Tensor, is_causal: bool, window: int | None, cp: int,
-              tiles_per_chunk: int | None = None) -> MaskPlan:
-    """The plan of every CP rank for ``document_ids`` ``(B, S)`` (global token order)."""
-    lo, hi = key_intervals(document_ids, is_causal, window)
-    seq = lo.size(1)
-    edges = torch.tensor(tile_edges(seq, cp, tiles_per_chunk))
+def mask_plan(document_ids: Tensor | np.ndarray | None, is_causal: bool, window: int | None,
+              cp: int, tiles_per_chunk: int | None = None,
+              seq_len: int | None = None) -> MaskPlan:
+    """The plan of every CP rank for ``document_ids`` ``(B, S)`` (global token order; None: one
+    document of ``seq_len`` tokens).  Host work on one host copy of the ids."""
+    lo, hi, exact = key_intervals(host_document_ids(document_ids, seq_len), is_causal, window)
+    seq = lo.shape[1]
+    edges = np.array(tile_edges(seq, cp, tiles_per_chunk))
     starts, stops = edges[:-1], edges[1:]
-    # per query token and key tile, the key columns it sees there (union over the batch)
-    sees = torch.zeros(seq, starts.numel(), dtype=torch.bool)
-    col_lo = torch.full(sees.shape, seq)
-    col_hi = torch.full(sees.shape, -1)
-    for row_lo, row_hi in zip(lo, hi):
-        clipped_lo = torch.maximum(row_lo.unsqueeze(1), starts)
-        clipped_hi = torch.minimum(row_hi.unsqueeze(1), stops - 1)
-        ok = clipped_lo <= clipped_hi
-        sees |= ok
-        col_lo = torch.minimum(col_lo, clipped_lo.masked_fill(~ok, seq))
-        col_hi = torch.maximum(col_hi, clipped_hi.masked_fill(~ok, -1))
     blocks: list[list[Block]] = [[] for _ in range(cp)]
-    for q_start, q_stop in zip(edges[:-1].tolist(), edges[1:].tolist()):
-        tile = sees[q_start:q_stop]
-        index = torch.arange(q_start, q_stop).unsqueeze(1)
-        first_row = index.expand_as(tile).masked_fill(~tile, seq).amin(0).tolist()
-        last_row = index.expand_as(tile).masked_fill(~tile, -1).amax(0).tolist()
-        first_col = col_lo[q_start:q_stop].amin(0).tolist()
-        last_col = col_hi[q_start:q_stop].amax(0).tolist()
-        for k, used in enumerate(tile.any(0).tolist()):
-            if used:
-                rank, row_start = _local(first_row[k], seq, cp)
-                owner, col_start = _local(first_col[k], seq, cp)
-                blocks[rank].append(Block(owner, (row_start, row_start + last_row[k] - first_row[k] + 1),
-                                          (col_start, col_start + last_col[k] - first_col[k] + 1)))
+    for q_start, q_stop in zip(starts.tolist(), stops.tolist()):
+        row_lo, row_hi = lo[:, q_start:q_stop, None], hi[:, q_start:q_stop, None]
+        # per batch row, query row and key tile: the key columns it sees there
+        clipped_lo, clipped_hi = np.maximum(row_lo, starts), np.minimum(row_hi, stops - 1)
+        ok = clipped_lo <= clipped_hi
+        sees = ok.any(0)  # (rows, key tiles), the union over the batch
+        for k in np.flatnonzero(sees.any(0)).tolist():
+            seen = np.flatnonzero(sees[:, k])
+            first_row, last_row = q_start + int(seen[0]), q_start + int(seen[-1])
+            first_col = int(clipped_lo[..., k][ok[..., k]].min())
+            last_col = int(clipped_hi[..., k][ok[..., k]].max())
+            # every pair allowed, for every batch row: the kernel needs no mask
+            full = exact and bool(
+                (lo[:, first_row:last_row + 1] <= first_col).all()
+                and (hi[:, first_row:last_row + 1] >= last_col).all())
+            rank, row_start = _local(first_row, seq, cp)
+            owner, col_start = _local(first_col, seq, cp)
+            blocks[rank].append(Block(owner, (row_start, row_start + last_row - first_row + 1),
+                                      (col_start, col_start + last_col - first_col + 1), full))
     return MaskPlan(tuple(_rank_plan(rank, rank_blocks, seq, cp)
                           for rank, rank_blocks in enumerate(blocks)))
 

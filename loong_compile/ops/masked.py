@@ -2,110 +2,100 @@
 
 Inputs are in CP layout like ops/ring.py: ``(B, H', S/cp, D)``, this CP rank's
 zigzag shard (V with its own head dim, K and V in one ``kv_buffer``).
-``document_ids`` is ``(B, S)`` in global order, the same on every rank.  Every
-rank evaluates the same ``mask_plan`` (ops/mask_plan.py) without communicating,
-then, instead of the Double-Ring, a direct exchange on the ``dkv_outer`` group
+``document_ids`` is ``(B, S)`` in global order, the same on every rank (None: one
+document).  Every rank evaluates the same ``mask_plan`` (ops/mask_plan.py) without
+communicating, once per step (ops/step_mask.py: each call is handed the step's handle), then,
+instead of the Double-Ring, a direct exchange on the ``dkv_outer`` group
 (which spans the CP group in CP-rank order):
 
-* forward: each rank posts, at once, the sends of the key/value columns every
-  other rank needs from it and the receives of the columns it needs, computes
-  its own blocks while they travel, then the received owners' blocks.  A block
-  with no allowed pair is neither computed nor sent; the inner ring size ``w``
-  plays no part (there is no ring).
-* backward: the same KV exchange again, then each rank sends the dK/dV of the
-  columns it received (accumulation dtype) straight back to their owner, which
-  adds them to its own.
+* forward: in steps ``d = 1 .. cp-1`` each rank ``r`` sends rank ``r - d`` the
+  key/value columns it reads of ``r`` and receives those it reads of ``r + d``
+  (each pair of ranks meets at one step), each step posted one step ahead: it
+  computes its own blocks while step 1 travels, then each step's blocks while
+  the next travels, so at most two received KV buffers are alive, as in the
+  ring.  A block with no allowed pair is neither computed nor sent; the inner
+  ring size ``w`` plays no part (there is no ring).
+* backward: the same KV steps again; after a step's blocks, the dK/dV of the
+  columns it received (accumulation dtype) go straight back to their owner,
+  which adds them to its own (at most two returns in flight).
 
 Each block runs the kernel adapter with the exact boolean mask of (its query
-rows × its key columns); a row that sees no key anywhere returns ``out = 0``
+rows × its key columns), or none when every pair of the block is allowed; a row that sees no key anywhere returns ``out = 0``
 with ``lse = -inf`` and zero gradients.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-from collections import OrderedDict
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from loong_compile._compat.kernels import cudagraph_unsafe_tags
-from loong_compile.parallel.tokens import local_token_indices
-from loong_compile.ops.comm import DirectExchange, group
+from loong_compile.ops.comm import DirectExchange
 from loong_compile.ops.kernels import accumulation_dtype, attention_backward, attention_forward
-from loong_compile.ops.mask_plan import Block, MaskPlan, buffer_columns, mask_plan
+from loong_compile.ops.mask_plan import Block, buffer_columns
+from loong_compile.ops.step_mask import StepMask, step_mask_of
 from loong_compile.ops.ring import (attention_outputs_like, kv_buffer, kv_gradients, kv_parts,
                                     merge_partial)
 
 KV_TAG, DKV_TAG = 1, 2
 
 
-class MaskedGroup:
-    """This rank's CP rank, the plan of its CP group and the global positions of every shard."""
-
-    def __init__(self, document_ids: Tensor, is_causal: bool, window: int | None, cp: int,
-                 group_name: str):
-        self.cp, self.group_name = cp, group_name
-        self.rank = group(group_name).rank() if cp > 1 else 0
-        self.document_ids = document_ids.to(torch.int64)
-        self.is_causal, self.window = is_causal, window
-        self.plan: MaskPlan = _plan_of(self.document_ids, is_causal, window, cp)
-        self.mine = self.plan.ranks[self.rank]
-        seq = document_ids.size(1)
-        self.positions = [local_token_indices(seq, cp, 1, r, 0).to(document_ids.device)
-                          for r in range(cp)]
-
-    def exchange_kv(self, kv: Tensor) -> DirectExchange:
-        """Post the sends of our columns to every peer that needs them and our receives."""
-        sends = {peer: _columns(kv, ranges).contiguous()
-                 for peer, ranges in self.plan.serves(self.rank).items()}
-        receives = {owner: kv.new_empty(_received_shape(kv, ranges))
-                    for owner, ranges in self.mine.needs.items()}
-        return DirectExchange(self.group_name, sends, receives, KV_TAG)
-
-    def block_inputs(self, block: Block, kv: Tensor, received: dict[int, Tensor]):
-        """The block's key/value columns (from our shard or a received buffer) and its mask."""
-        if block.owner == self.rank:
-            cols = slice(*block.cols)
-            source = kv
-        else:
-            cols = buffer_columns(self.mine.needs[block.owner], block.cols)
-            source = received[block.owner]
-        return source[:, :, cols], cols, self.block_mask(block)
-
-    def block_mask(self, block: Block) -> Tensor | None:
-        """``(B, 1, rows, cols)`` allowed pairs, or None when every pair is allowed."""
-        q_pos = self.positions[self.rank][slice(*block.rows)]
-        k_pos = self.positions[block.owner][slice(*block.cols)]
-        q_doc = self.document_ids[:, q_pos].unsqueeze(-1)
-        k_doc = self.document_ids[:, k_pos].unsqueeze(-2)
-        mask = (q_doc == k_doc) & (q_doc >= 0)
-        offset = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)
-        if self.is_causal:
-            mask &= offset >= 0
-        if self.window is not None:
-            mask &= offset < self.window
-        return None if bool(mask.all()) else mask.unsqueeze(1)
+def post_step(masked: StepMask, step: int, kv: Tensor) -> DirectExchange | None:
+    """Step ``d`` of the KV exchange: our columns to rank ``r - d`` if it reads any, the columns
+    we read of rank ``r + d`` (every pair of ranks meets at one step, in one direction)."""
+    peer, owner = (masked.rank - step) % masked.cp, (masked.rank + step) % masked.cp
+    serves, needs = masked.plan.ranks[peer].needs.get(masked.rank), masked.mine.needs.get(owner)
+    sends = {} if serves is None else {peer: _columns(kv, serves).contiguous()}
+    receives = {} if needs is None else {owner: kv.new_empty(_received_shape(kv, needs))}
+    return DirectExchange(masked.group_name, sends, receives, KV_TAG) if sends or receives else None
 
 
-# Every layer of a step (forward and backward) sees the same document ids: the plan is built
-# once per (ids, causal, window), not once per call.  Keyed by the ids' contents, never by their
-# storage, which a later step may reuse for other ids.
-_PLANS: OrderedDict[tuple, MaskPlan] = OrderedDict()
-_PLANS_KEPT = 8
+def return_step(masked: StepMask, step: int, dkv_read: Tensor | None,
+                like: Tensor) -> DirectExchange | None:
+    """Step ``d`` of the dK/dV return: the gradients of rank ``r + d``'s columns we read go back
+    to it; rank ``r - d`` returns those of ours it read."""
+    peer, owner = (masked.rank - step) % masked.cp, (masked.rank + step) % masked.cp
+    serves = masked.plan.ranks[peer].needs.get(masked.rank)
+    sends = {} if dkv_read is None else {owner: dkv_read}
+    receives = {} if serves is None else {peer: like.new_empty(_received_shape(like, serves))}
+    return DirectExchange(masked.group_name, sends, receives, DKV_TAG) if sends or receives else None
 
 
-def _plan_of(document_ids: Tensor, is_causal: bool, window: int | None, cp: int) -> MaskPlan:
-    ids = document_ids.detach().cpu().contiguous()
-    key = (hashlib.blake2b(ids.numpy().tobytes(), digest_size=16).digest(), tuple(ids.shape),
-           is_causal, window, cp)
-    if key not in _PLANS:
-        _PLANS[key] = mask_plan(ids, is_causal, window, cp)
-        if len(_PLANS) > _PLANS_KEPT:
-            _PLANS.popitem(last=False)
-    _PLANS.move_to_end(key)
-    return _PLANS[key]
+class KVSteps:
+    """The KV exchange of one call, step by step in the order of the plan's blocks (our own
+    first), each step posted one step ahead: while step ``d``'s blocks are computed only step
+    ``d + 1`` travels, so at most two received KV buffers are alive, as in the ring."""
+
+    def __init__(self, masked: StepMask, kv: Tensor):
+        self.masked, self.kv = masked, kv
+        self.ahead = post_step(masked, 1, kv) if masked.cp > 1 else None
+        self.blocks: dict[int, list[Block]] = {}
+        for block in masked.mine.blocks:
+            self.blocks.setdefault(block.owner, []).append(block)
+
+    def owner(self, step: int) -> int:
+        return (self.masked.rank + step) % self.masked.cp
+
+    def source(self, step: int) -> Tensor | None:
+        """The columns of ``owner(step)`` we read (call in step order, after dropping the last
+        step's): our shard at step 0, else what step ``step`` received."""
+        if step == 0:
+            return self.kv
+        current = self.ahead
+        self.ahead = (post_step(self.masked, step + 1, self.kv)
+                      if step + 1 < self.masked.cp else None)
+        return None if current is None else current.wait().get(self.owner(step))
+
+
+def block_columns(masked: StepMask, block: Block) -> slice:
+    """Where the block's key/value columns lie in its owner's buffer (our shard, or what we
+    received of the owner's)."""
+    if block.owner == masked.rank:
+        return slice(*block.cols)
+    return buffer_columns(masked.mine.needs[block.owner], block.cols)
 
 
 def _columns(kv: Tensor, ranges) -> Tensor:
@@ -116,93 +106,106 @@ def _received_shape(kv: Tensor, ranges) -> tuple[int, ...]:
     return (*kv.shape[:2], sum(stop - start for start, stop in ranges), *kv.shape[3:])
 
 
-def masked_forward(q: Tensor, k: Tensor, v: Tensor, masked: MaskedGroup,
+def masked_forward(q: Tensor, k: Tensor, v: Tensor, masked: StepMask,
                    scale: float) -> tuple[Tensor, Tensor]:
     acc = accumulation_dtype(q.dtype)
     kv = kv_buffer(k, v)
-    exchange = masked.exchange_kv(kv) if masked.cp > 1 else None
     out = torch.zeros((*q.shape[:3], v.size(-1)), dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
-    received: dict[int, Tensor] = {}
-    for block in masked.mine.blocks:
-        if block.owner != masked.rank and not received:
-            received = exchange.wait()
-        block_kv, _, mask = masked.block_inputs(block, kv, received)
-        rows = slice(*block.rows)
-        block_out, block_lse = attention_forward(q[:, :, rows], *kv_parts(block_kv, k.size(-1)),
-                                                 is_causal=False, scale=scale, mask=mask)
-        out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows],
-                                                         block_out, block_lse)
-    if exchange is not None:
-        exchange.wait()  # our sends complete before their buffers may be freed
+    steps = KVSteps(masked, kv)
+    for step in range(masked.cp):
+        source = None  # the last step's buffer goes before the next one is posted
+        source = steps.source(step)
+        for block in steps.blocks.get(steps.owner(step), []):
+            _forward_block(q, k.size(-1), source, block, masked, scale, out, lse)
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
+def _forward_block(q: Tensor, head_dim: int, source: Tensor, block: Block, masked: StepMask,
+                   scale: float, out: Tensor, lse: Tensor) -> None:
+    """Merge one block into ``out``/``lse`` (a function: no view of ``source`` outlives it)."""
+    rows = slice(*block.rows)
+    block_out, block_lse = attention_forward(
+        q[:, :, rows], *kv_parts(source[:, :, block_columns(masked, block)], head_dim),
+        is_causal=False, scale=scale, mask=masked.block_mask(block, source))
+    out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows],
+                                                     block_out, block_lse)
+
+
 def masked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                    masked: MaskedGroup, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                    masked: StepMask, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     acc = accumulation_dtype(q.dtype)
     kv = kv_buffer(k, v)
-    exchange = masked.exchange_kv(kv) if masked.cp > 1 else None
     dq = torch.zeros_like(q, dtype=acc)
     dkv = torch.zeros_like(kv, dtype=acc)
-    received: dict[int, Tensor] = {}
-    dkv_received: dict[int, Tensor] = {}
-    for block in masked.mine.blocks:
-        if block.owner != masked.rank and not received:
-            received = exchange.wait()
-            dkv_received = {owner: torch.zeros_like(buffer, dtype=acc)
-                            for owner, buffer in received.items()}
-        block_kv, cols, mask = masked.block_inputs(block, kv, received)
-        rows = slice(*block.rows)
-        dq_block, dk_block, dv_block = attention_backward(
-            dout[:, :, rows], q[:, :, rows], *kv_parts(block_kv, k.size(-1)), out[:, :, rows],
-            lse[:, :, rows], is_causal=False, scale=scale, mask=mask)
-        dq[:, :, rows] += dq_block
-        target = dkv if block.owner == masked.rank else dkv_received[block.owner]
-        dk, dv = kv_parts(target[:, :, cols], k.size(-1))
-        dk += dk_block
-        dv += dv_block
-    if exchange is not None:
-        exchange.wait()
-        serves = masked.plan.serves(masked.rank)
-        returned = DirectExchange(
-            masked.group_name, dkv_received,
-            {peer: dkv.new_empty(_received_shape(dkv, ranges)) for peer, ranges in serves.items()},
-            DKV_TAG).wait()
-        for peer, grads in returned.items():
-            offset = 0
-            for start, stop in serves[peer]:
-                dkv[:, :, start:stop] += grads[:, :, offset:offset + stop - start]
-                offset += stop - start
+    returning: list[tuple[int, DirectExchange]] = []
+    steps = KVSteps(masked, kv)
+    for step in range(masked.cp):
+        source = None  # the last step's buffer goes before the next one is posted
+        source = steps.source(step)
+        target = dkv if step == 0 else (None if source is None
+                                        else torch.zeros_like(source, dtype=acc))
+        for block in steps.blocks.get(steps.owner(step), []):
+            rows, cols = slice(*block.rows), block_columns(masked, block)
+            dq_block, dk_block, dv_block = attention_backward(
+                dout[:, :, rows], q[:, :, rows], *kv_parts(source[:, :, cols], k.size(-1)),
+                out[:, :, rows], lse[:, :, rows], is_causal=False, scale=scale,
+                mask=masked.block_mask(block, kv))
+            dq[:, :, rows] += dq_block
+            dk, dv = kv_parts(target[:, :, cols], k.size(-1))
+            dk += dk_block
+            dv += dv_block
+        if step > 0:
+            returned = return_step(masked, step, target, dkv)
+            if returned is not None:
+                returning.append((step, returned))
+            while len(returning) > 1:  # at most two returns in flight
+                _add_returned(masked, dkv, *returning.pop(0))
+    for step, returned in returning:
+        _add_returned(masked, dkv, step, returned)
     return dq.to(q.dtype).contiguous(), *kv_gradients(dkv, k, v)
+
+
+def _add_returned(masked: StepMask, dkv: Tensor, step: int, returned: DirectExchange) -> None:
+    """Add what rank ``r - step`` returns of the gradients of our columns it read."""
+    peer = (masked.rank - step) % masked.cp
+    grads = returned.wait().get(peer)
+    if grads is None:
+        return
+    offset = 0
+    for start, stop in masked.plan.ranks[peer].needs[masked.rank]:
+        dkv[:, :, start:stop] += grads[:, :, offset:offset + stop - start]
+        offset += stop - start
 
 
 # --- custom ops ----------------------------------------------------------------
 
 @torch.library.custom_op("loong::masked_attention_fwd", mutates_args=(),
                          tags=cudagraph_unsafe_tags())
-def masked_attention_fwd(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, is_causal: bool,
-                         window: int, scale: float, cp: int,
+def masked_attention_fwd(q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor],
+                         mask: Tensor, is_causal: bool, window: int, scale: float, cp: int,
                          dkv_outer_group: str) -> tuple[Tensor, Tensor]:
-    """Masked attention forward over the CP group: ``(out, lse)`` (``window <= 0``: none)."""
-    masked = MaskedGroup(document_ids, is_causal, window if window > 0 else None, cp,
-                         dkv_outer_group)
+    """Masked attention forward over the CP group: ``(out, lse)``.  ``mask``: the step's
+    handle from ``masked_attention_plan`` of these ids, ``is_causal`` and ``window``."""
+    masked = step_mask_of(mask, document_ids, q.size(2) * cp, is_causal, window, cp,
+                       dkv_outer_group)
     return masked_forward(q, k, v, masked, scale)
 
 
 @masked_attention_fwd.register_fake
-def _(q, k, v, document_ids, *args):
+def _(q, k, v, *args):
     return attention_outputs_like(q, v)
 
 
 @torch.library.custom_op("loong::masked_attention_bwd", mutates_args=(),
                          tags=cudagraph_unsafe_tags())
 def masked_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                         document_ids: Tensor, is_causal: bool, window: int, scale: float,
-                         cp: int, dkv_outer_group: str) -> tuple[Tensor, Tensor, Tensor]:
+                         document_ids: Optional[Tensor], mask: Tensor, is_causal: bool,
+                         window: int, scale: float, cp: int,
+                         dkv_outer_group: str) -> tuple[Tensor, Tensor, Tensor]:
     """Masked attention backward: ``(dq, dk, dv)``, dK/dV returned straight to their owners."""
-    masked = MaskedGroup(document_ids, is_causal, window if window > 0 else None, cp,
-                         dkv_outer_group)
+    masked = step_mask_of(mask, document_ids, q.size(2) * cp, is_causal, window, cp,
+                       dkv_outer_group)
     return masked_backward(dout, q, k, v, out, lse, masked, scale)
 
 
@@ -212,17 +215,17 @@ def _(dout, q, k, v, out, lse, *args):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, document_ids, *ctx.config = inputs
+    q, k, v, document_ids, mask, *ctx.config = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, document_ids)
+    ctx.save_for_backward(q, k, v, out, lse, document_ids, mask)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, document_ids = ctx.saved_tensors
+    q, k, v, out, lse, document_ids, mask = ctx.saved_tensors
     dq, dk, dv = masked_attention_bwd(grad_out.contiguous(), q, k, v, out, lse, document_ids,
-                                      *ctx.config)
-    return dq, dk, dv, None, *([None] * len(ctx.config))
+                                      mask, *ctx.config)
+    return dq, dk, dv, None, None, *([None] * len(ctx.config))
 
 
 masked_attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -197,6 +197,9 @@ def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn
         kwargs["document_ids"] = document_ids
     if window is not None:
         kwargs["window"] = window
+    if document_ids is not None or window is not None:
+        kwargs["mask_plan"] = documents.plan_for(document_ids, tokens * ctx.config.sp, causal,
+                                                 window, scope, _example(q).fake_mode)
     with graph.inserting_before(node):
         new = graph.call_function(attention_2d, (q, k, v), kwargs)
     _copy_meta(node, new)

@@ -1,4 +1,5 @@
-"""The global document ids of a graph: one ``sequence_document_ids`` call for every masked call.
+"""The global document ids of a graph and the step's mask: one ``sequence_document_ids`` call
+and one ``masked_attention_plan`` call per kind, for every masked call.
 
 A mask that ``passes/attention/mask_proof.py`` proved to be documents and/or padding becomes the global
 ``(B, S)`` document ids of ``loong_compile.ops.sequence_document_ids`` (one all-gather of the
@@ -6,7 +7,11 @@ ranks' position ids and key padding per step).  The graph gets at most one such 
 of ids, after its inputs, whatever the number of attention calls; calls inside
 higher-order-op bodies (activation checkpointing) receive the ids as an added operand.
 
-Kinds: documents from the position ids (with or without key padding), and padding alone (a
+The plan (ops/step_mask.py) is made once per (ids, causal, window) from those ids, so no
+per-layer call reads device data on the host: the attention pass hands every masked call the
+plan's handle.
+
+Kinds of ids: documents from the position ids (with or without key padding), and padding alone (a
 mask that reads the attention mask but not the positions, as transformers builds whenever an
 attention mask is given): the same ids with every document number set to 0.
 """
@@ -41,6 +46,21 @@ class DocumentIds:
             return None
         return self._in_scope(self._top(meaning.documents, meaning.padding), scope)
 
+    def plan_for(self, document_ids: torch.fx.Node | None, seq_len: int, is_causal: bool,
+                 window: int | None, scope: Scope, fake_mode) -> torch.fx.Node:
+        """The step's mask-plan handle for these ids (None: one document), as a node of
+        ``scope``'s graph; made once per graph and kind in the top-level graph."""
+        top_ids = self._top_of(document_ids)
+        key = ("plan", top_ids, seq_len, is_causal, window)
+        if key not in self._made:
+            mesh = self.mesh.attention_kwargs()
+            self._made[key] = self._call(
+                torch.ops.loong.masked_attention_plan.default,
+                (top_ids, seq_len, is_causal, window or 0, mesh["cp"]),
+                # a keyword: the rank check leaves out group names, which differ by rank
+                {"dkv_outer_group": mesh["dkv_outer_group"]}, fake_mode)
+        return self._in_scope(self._made[key], scope)
+
     def summary(self) -> list[dict]:
         """The nodes made in the top-level graph: what each computes, from which inputs."""
         return [{"node": n.name, "computes": n.target.__name__,
@@ -72,7 +92,14 @@ class DocumentIds:
                                          self.mesh.document_kwargs())
         return self._made[key]
 
-    def _call(self, fn, args: tuple, kwargs: dict) -> torch.fx.Node:
+    def _top_of(self, node: torch.fx.Node | None) -> torch.fx.Node | None:
+        """The top-level node that ``node`` (perhaps an operand added to a body) stands for."""
+        for key, made in self._made.items():
+            if made is node and key[0] == "in":
+                return key[2]
+        return node
+
+    def _call(self, fn, args: tuple, kwargs: dict, fake_mode=None) -> torch.fx.Node:
         graph = self.gm.graph
         anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
         after = [a for a in args if isinstance(a, torch.fx.Node) and a.op != "placeholder"]
@@ -81,8 +108,9 @@ class DocumentIds:
         with graph.inserting_after(anchor):
             node = graph.call_function(fn, args, kwargs)
         values = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in args]
-        fake = next(v for v in values if isinstance(v, torch.Tensor))
-        with fake.fake_mode:
+        if fake_mode is None:
+            fake_mode = next(v for v in values if isinstance(v, torch.Tensor)).fake_mode
+        with fake_mode:
             node.meta["example_value"] = fn(*values, **kwargs)
         self._top_nodes.append(node)
         return node
