@@ -15,7 +15,8 @@ This package holds shims only, one module per torch subsystem:
 ``distributed``     process groups by name and in ring order, functional collectives, the store
 ``dynamo``          the backend registry, the module being compiled, graph-input sources and kinds
 ``aot``             AOTAutograd, fake tensors, symbolic sizes, the autograd engine
-``kernels``         the aten flash-attention kernels that return the log-sum-exp, op tags
+``kernels``         the aten flash-attention kernels that return the log-sum-exp, op tags,
+                    autograd inside an op body
 ``inductor``        ``compile_fx``, the hook classes Inductor hashes, scheduler nodes, its code
 ``inductor_pools``  what Inductor's wrapper shows a memory planner (request types)
 ``pool_planner``    Inductor's memory planner with our offsets

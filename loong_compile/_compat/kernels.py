@@ -4,6 +4,9 @@ log-sum-exp that ring attention merges on; and the custom-op tags of ops/.  Chec
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+
 import torch
 
 
@@ -46,3 +49,27 @@ def cudagraph_unsafe_tags() -> tuple:
     """
     tag = getattr(torch.Tag, "cudagraph_unsafe", None)
     return () if tag is None else (tag,)
+
+
+@contextlib.contextmanager
+def autograd_in_op_body():
+    """Autograd recording inside a custom op's body, where the dispatcher has turned it off:
+    flex_attention's backward is only reachable through autograd (ops/flex.py)."""
+    keys = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), \
+            torch.enable_grad():
+        yield
+
+
+def create_block_mask_fused(mask_mod, batch, q_len: int, kv_len: int, device: torch.device):
+    """flex's ``create_block_mask``; on CUDA compiled (its private ``_compile``), so the mask is
+    reduced to 128 x 128 tiles as it is evaluated instead of materialised first."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    kwargs = {}
+    if device.type == "cuda" and "_compile" in inspect.signature(create_block_mask).parameters:
+        kwargs["_compile"] = True
+    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device, **kwargs)

@@ -10,6 +10,7 @@ import time
 import torch
 
 from loong_compile.gpu_check.loopback import ring_attention, sdpa_reference
+from loong_compile.gpu_check.masked import check_masked_attention
 from loong_compile.gpu_check.report import Skip
 
 # Largest error relative to the reference's largest magnitude a half-precision user
@@ -297,5 +298,6 @@ def check_exposed_time(figures: dict) -> str:
 
 
 CHECKS = [("kernels", check_kernels), ("double_ring", check_double_ring),
+          ("masked_attention", check_masked_attention),
           ("offload_overlap", check_offload_overlap), ("activation_memory", check_activation_memory),
           ("memory_plan", check_memory_plan), ("exposed_time", check_exposed_time)]

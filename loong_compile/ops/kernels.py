@@ -27,9 +27,10 @@ Kernels, chosen per call:
 * anything else (CUDA float32/float64): an exact matmul implementation that
   materialises the ``S_q × S_k`` scores of one block.
 
-A boolean block ``mask`` (masked 2D-Attention, ops/masked.py) goes to the CPU
-kernel as an additive mask, and on CUDA to the exact matmul implementation
-(flash-attn's varlen / ``window_size`` kernels are not wired in yet).  The
+A block ``mask`` (masked 2D-Attention, ops/masked.py) is a flex ``BlockMask`` on CUDA
+(ops/flex.py: ``flex_attention``, tiles without an allowed pair skipped), else a boolean
+mask of at most one tile: to the CPU kernel as an additive mask, on CUDA in float64 to the
+exact matmul implementation.  The
 adapter owns the empty-row contract: a row with no allowed key returns
 ``out = 0``, ``lse = -inf`` and zero gradients (the CPU kernel itself reports
 ``lse = 0`` for such rows).
@@ -45,6 +46,8 @@ import torch
 from torch import Tensor
 
 from loong_compile._compat.kernels import sdpa_flash_cpu, sdpa_flash_cpu_backward, sdpa_flash_cuda, sdpa_flash_cuda_backward
+from loong_compile.ops.flex import (FLEX_HEAD_DIM_MULTIPLE, BlockMask, flex_backward,
+                                    flex_forward)
 
 FLASH_ATTN_MIN_VERSION = "2.7"
 CUDA_HEAD_DIM_MULTIPLE = 8   # PyTorch's CUDA flash kernel and flash-attn 2 take no other head dims
@@ -67,25 +70,25 @@ class Kernel(NamedTuple):
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: float,
-                      mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      mask: Tensor | BlockMask | None = None) -> tuple[Tensor, Tensor]:
     """``(out, lse)``; with a boolean ``mask`` (True = allowed, broadcast to ``(B, H, S_q, S_k)``)
     a row with no allowed key gives ``out = 0`` and ``lse = -inf``."""
-    kernel = _kernel(q) if mask is None else _masked_kernel(q)
+    kernel = _kernel(q) if mask is None else _masked_kernel(q, mask)
     width = _kernel_head_dim(kernel, q, v)
     out, lse = kernel.forward(*_padded(width, q, k, v), is_causal if mask is None else mask,
                               scale)
     out = _cut_head_dim(out, v.size(-1))
-    if mask is None:
+    if not isinstance(mask, Tensor):  # no mask, or flex's (which reports -inf itself)
         return out, lse
     return out, lse.masked_fill(~mask.any(-1), -math.inf)
 
 
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
                        is_causal: bool, scale: float,
-                       mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                       mask: Tensor | BlockMask | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)``; with ``mask``, rows whose ``lse`` is ``-inf`` (no key anywhere) get
     zero gradients."""
-    kernel = _kernel(q) if mask is None else _masked_kernel(q)
+    kernel = _kernel(q) if mask is None else _masked_kernel(q, mask)
     if mask is not None:
         # such a row's keys are all masked here, so any finite lse gives it probabilities 0
         lse = lse.masked_fill(torch.isinf(lse), 0.0)
@@ -112,9 +115,11 @@ def _kernel(q: Tensor) -> Kernel:
     return Kernel(_math_forward, _math_backward, "math", None)
 
 
-def _masked_kernel(q: Tensor) -> Kernel:
-    """Kernels that take a boolean mask: the CPU flash kernel (as an additive mask), else the
-    exact matmul path (CUDA's flash kernels take no arbitrary mask)."""
+def _masked_kernel(q: Tensor, mask: Tensor | BlockMask) -> Kernel:
+    """Kernels that take a mask: flex_attention for a ``BlockMask`` (ops/flex.py); for a
+    boolean mask the CPU flash kernel (as an additive mask), else the exact matmul path."""
+    if isinstance(mask, BlockMask):
+        return Kernel(flex_forward, flex_backward, "flex_attention", FLEX_HEAD_DIM_MULTIPLE)
     if q.device.type == "cpu":
         return Kernel(_cpu_masked_forward, _cpu_masked_backward, "aten_flash_cpu", 1)
     return Kernel(_math_forward, _math_backward, "math", None)
