@@ -33,12 +33,12 @@ import torch
 from torch import Tensor
 
 from loong_compile._compat.kernels import cudagraph_unsafe_tags
+from loong_compile.ops.attention_op import register_attention_op_pair
 from loong_compile.ops.comm import DirectExchange
 from loong_compile.ops.kernels import accumulation_dtype, attention_backward, attention_forward
 from loong_compile.ops.mask_plan import Block, buffer_columns
 from loong_compile.ops.step_mask import StepMask, step_mask_of
-from loong_compile.ops.ring import (attention_outputs_like, kv_buffer, kv_gradients, kv_parts,
-                                    merge_partial)
+from loong_compile.ops.ring import kv_buffer, kv_gradients, kv_parts, merge_partial
 
 KV_TAG, DKV_TAG = 1, 2
 
@@ -188,13 +188,8 @@ def masked_attention_fwd(q: Tensor, k: Tensor, v: Tensor, document_ids: Optional
     """Masked attention forward over the CP group: ``(out, lse)``.  ``mask``: the step's
     handle from ``masked_attention_plan`` of these ids, ``is_causal`` and ``window``."""
     masked = step_mask_of(mask, document_ids, q.size(2) * cp, is_causal, window, cp,
-                       dkv_outer_group)
+                          dkv_outer_group)
     return masked_forward(q, k, v, masked, scale)
-
-
-@masked_attention_fwd.register_fake
-def _(q, k, v, *args):
-    return attention_outputs_like(q, v)
 
 
 @torch.library.custom_op("loong::masked_attention_bwd", mutates_args=(),
@@ -205,27 +200,8 @@ def masked_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
                          dkv_outer_group: str) -> tuple[Tensor, Tensor, Tensor]:
     """Masked attention backward: ``(dq, dk, dv)``, dK/dV returned straight to their owners."""
     masked = step_mask_of(mask, document_ids, q.size(2) * cp, is_causal, window, cp,
-                       dkv_outer_group)
+                          dkv_outer_group)
     return masked_backward(dout, q, k, v, out, lse, masked, scale)
 
 
-@masked_attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, *args):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, document_ids, mask, *ctx.config = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, document_ids, mask)
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, document_ids, mask = ctx.saved_tensors
-    dq, dk, dv = masked_attention_bwd(grad_out.contiguous(), q, k, v, out, lse, document_ids,
-                                      mask, *ctx.config)
-    return dq, dk, dv, None, None, *([None] * len(ctx.config))
-
-
-masked_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_attention_op_pair(masked_attention_fwd, masked_attention_bwd, tensors=2)

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from loong_compile._compat.kernels import cudagraph_unsafe_tags
+from loong_compile.ops.attention_op import register_attention_op_pair
 from loong_compile.parallel.rules import ring_position
 from loong_compile.ops.comm import Exchange, group
 from loong_compile.ops.kernels import accumulation_dtype, attention_backward, attention_forward
@@ -74,13 +75,6 @@ def kv_gradients(dkv: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     like the fake kernels, and copied out: views of one buffer may not be returned."""
     return tuple(part.to(t.dtype, memory_format=torch.contiguous_format, copy=True)
                  for part, t in zip(kv_parts(dkv, k.size(-1)), (k, v)))
-
-
-def attention_outputs_like(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """Empty ``(out, lse)`` for queries ``q`` and values ``v`` (the fake kernels' outputs): out
-    has V's head dim, both are contiguous."""
-    return (q.new_empty((*q.shape[:3], v.size(-1))),
-            q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype)))
 
 
 def ring_schedule(cp_rank: int, cp: int, inner_ring: int) -> list[tuple[int, int, int]]:
@@ -195,13 +189,6 @@ def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: 
     return ring_forward(q, k, v, is_causal, scale, ring)
 
 
-# Outputs are contiguous whatever the inputs' strides: fake and real must agree, or a view
-# that AOTAutograd planned on the fake strides fails at run time.
-@ring_attention_fwd.register_fake
-def _(q, k, v, is_causal, scale, cp, inner_ring, *group_names):
-    return attention_outputs_like(q, v)
-
-
 @torch.library.custom_op("loong::ring_attention_bwd", mutates_args=(),
                          tags=cudagraph_unsafe_tags())
 def ring_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -214,22 +201,4 @@ def ring_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     return ring_backward(dout, q, k, v, out, lse, is_causal, scale, ring)
 
 
-@ring_attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, *args):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, *ctx.config = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = ring_attention_bwd(grad_out.contiguous(), q, k, v, out, lse, *ctx.config)
-    return dq, dk, dv, *([None] * len(ctx.config))
-
-
-ring_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_attention_op_pair(ring_attention_fwd, ring_attention_bwd)
