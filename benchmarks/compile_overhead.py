@@ -1,6 +1,7 @@
 """Compile time and step time of backend="loong" (no pass enabled, and defaults) vs backend="inductor".
 
     python benchmarks/compile_overhead.py [--reps 3] [--rounds 10] [--steps 10]
+    python benchmarks/compile_overhead.py --depths 8 32 80 [--hp 1 2] [--policies none memo memo+plan]
 
 Compile time: each variant compiles in a fresh process with an empty Inductor
 cache, so every kernel is compiled from scratch; compile time = the first
@@ -11,6 +12,17 @@ Step time: one process compiles all variants (the same weights) and then times
 them in interleaved rounds of ``--steps`` steps each, so that machine noise (a
 shared VM, frequency changes) hits every variant alike; a variant's step time
 is the median over rounds of each round's median.
+
+Depth mode (``--depths``): transformers' ``LlamaForCausalLM`` built from its
+config (width ``--dim``, 4 heads / 2 KV heads, SDPA; no download) at each
+depth; per variant a fresh process (empty Inductor cache) times the first
+training step (forward + backward, compile included) and a later step (median
+of ``--later`` steps after one warm-up step), one thread per process or rank.  Variants: at ``--hp 1`` (one
+process) ``inductor`` (plain ``backend="inductor"``, the baseline) and
+``backend="loong"`` per policy; at ``--hp 2`` (2 gloo ranks, one thread each,
+``options={"hp": 2, "cp": 1, ...}``; times are the slower rank's) ``loong`` per
+policy.  Policies: ``none`` (``activations="none"``, the default), ``memo``
+(``activations="memo"``), ``memo+plan`` (``memo`` and ``memory_plan=True``).
 """
 
 from __future__ import annotations
@@ -87,6 +99,115 @@ def run_child(template: str, chosen: list[tuple[str, dict]], args: argparse.Name
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+POLICIES = {"none": {}, "memo": {"activations": "memo"},
+            "memo+plan": {"activations": "memo", "memory_plan": True}}
+
+
+def hf_llama(dim: int, layers: int, seq: int) -> "torch.nn.Module":
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=dim, intermediate_size=int(8 * dim / 3) // 8 * 8,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=seq, attn_implementation="sdpa"))
+
+
+def depth_run(rank: int, world: int, spec: dict) -> dict:
+    """One variant in this process (or on this rank): first step and later step, seconds."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    import loong_compile as lc
+
+    model = hf_llama(spec["dim"], spec["layers"], spec["seq"])
+    ids = torch.randint(0, 256, (spec["batch"], spec["seq"]), generator=torch.Generator().manual_seed(0))
+    if world > 1:
+        import torch.distributed as dist
+
+        shard = lc.shard_batch(ids, ids, lc.init_mesh(hp=spec["hp"], cp=1))
+        inputs, pos, labels = shard.input_ids, shard.position_ids, shard.labels
+    else:
+        inputs, pos, labels = ids, None, ids
+    compiled = torch.compile(model, backend=spec["backend"], fullgraph=True,
+                             options=spec["options"] or None)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> float:
+        if world > 1:
+            dist.barrier()
+        t = time.perf_counter()
+        logits = compiled(inputs, position_ids=pos).logits
+        F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
+        if world > 1:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
+
+    first = step()
+    step()
+    return {"first": first, "later": statistics.median(step() for _ in range(spec["later"]))}
+
+
+DEPTH_CHILD = r"""
+import json, sys
+sys.path.insert(0, {bench!r})
+from compile_overhead import depth_run
+from loong_compile.testing import run_distributed
+spec = {spec!r}
+if spec["hp"] == 1:
+    import torch
+    torch.set_num_threads(1)   # as each rank of run_distributed
+    results = [depth_run(0, 1, spec)]
+else:
+    results = run_distributed(depth_run, spec["hp"], spec, timeout=3600)
+print(json.dumps({{"first": max(r["first"] for r in results), "later": max(r["later"] for r in results)}}))
+"""
+
+
+def depth_mode(args: argparse.Namespace) -> None:
+    rows = []
+    print(f"transformers LlamaForCausalLM: dim {args.dim}, 4 heads / 2 KV heads, batch {args.batch} x "
+          f"seq {args.seq}; first step incl. compile (fresh process, empty Inductor cache); "
+          f"later step: median of {args.later}")
+    print(f"{'layers':>6} {'hp':>3} {'variant':>10} {'first s':>9} {'later s':>8} "
+          f"{'first / inductor':>17} {'later / no plan':>16}", flush=True)
+    for layers in args.depths:
+        for hp in args.hp:
+            chosen = ([("inductor", "inductor", {})] if hp == 1 and not args.no_inductor else [])
+            for policy in args.policies:
+                options = dict(POLICIES[policy], **({"hp": hp, "cp": 1} if hp > 1 else {}))
+                chosen.append((policy, "loong", options))
+            times = {}
+            for name, backend, options in chosen:
+                spec = {"dim": args.dim, "layers": layers, "seq": args.seq, "batch": args.batch,
+                        "hp": hp, "backend": backend, "options": options, "later": args.later}
+                with tempfile.TemporaryDirectory() as cache:
+                    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+                               TORCHINDUCTOR_AUTOGRAD_CACHE="0")
+                    code = DEPTH_CHILD.format(bench=str(ROOT / "benchmarks"), spec=spec)
+                    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                         text=True)
+                if out.returncode:
+                    print(f"{layers:6d} {hp:3d} {name:>10} failed: {out.stderr.strip().splitlines()[-1:]}",
+                          flush=True)
+                    continue
+                times[name] = t = json.loads(out.stdout.strip().splitlines()[-1])
+                base = times.get("inductor")
+                ratio = f"{t['first'] / base['first']:16.2f}x" if base and name != "inductor" else f"{'':>17}"
+                no_plan = times.get(name.replace("+plan", "")) if name.endswith("+plan") else None
+                later = f"{t['later'] / no_plan['later']:15.2f}x" if no_plan else ""
+                print(f"{layers:6d} {hp:3d} {name:>10} {t['first']:9.2f} {t['later']:8.3f} {ratio} {later}",
+                      flush=True)
+                rows.append({"layers": layers, "hp": hp, "variant": name, **t})
+    print(json.dumps(rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3, help="fresh processes per variant (compile time)")
@@ -96,7 +217,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--depths", type=int, nargs="+", help="depth mode: these layer counts")
+    parser.add_argument("--hp", type=int, nargs="+", default=[1, 2], help="depth mode: 1 and/or 2 ranks")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES),
+                        help="depth mode: loong variants")
+    parser.add_argument("--no-inductor", action="store_true", help="depth mode: skip the baseline")
+    parser.add_argument("--later", type=int, default=3, help="depth mode: later steps timed")
     args = parser.parse_args()
+    if args.depths:
+        return depth_mode(args)
     chosen = variants()
     compile_s: dict[str, list[float]] = {name: [] for name in chosen}
     for rep in range(args.reps):
