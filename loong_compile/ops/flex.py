@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from loong_compile._compat.kernels import autograd_in_op_body, create_block_mask_fused
+from loong_compile.ops.mask_plan import allowed
 
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLEX_HEAD_DIM_MULTIPLE = 16   # flex's kernels take head dims of at least 16
@@ -47,15 +48,10 @@ def block_mask(q_positions: Tensor, k_positions: Tensor, document_ids: Tensor | 
 
     def mask_mod(b, h, q_index, k_index):
         q_pos, k_pos = q_positions[q_index], k_positions[k_index]
-        allowed = q_pos >= 0
-        if document_ids is not None:
-            q_doc = document_ids[b, q_pos]
-            allowed = (q_doc == document_ids[b, k_pos]) & (q_doc >= 0)
-        if is_causal:
-            allowed = allowed & (k_pos <= q_pos)
-        if window is not None:
-            allowed = allowed & (q_pos - k_pos < window)
-        return allowed
+        if document_ids is None:
+            return allowed(q_pos, k_pos, None, None, is_causal, window)
+        return allowed(q_pos, k_pos, document_ids[b, q_pos], document_ids[b, k_pos], is_causal,
+                       window)
 
     batch = None if document_ids is None else document_ids.size(0)
     return create_block_mask_fused(mask_mod, batch, q_positions.numel(), k_positions.numel(),

@@ -63,6 +63,18 @@ class MaskPlan(NamedTuple):
                 if rank in plan.needs}
 
 
+def allowed(q_pos: Tensor, k_pos: Tensor, q_doc: Tensor | None, k_doc: Tensor | None,
+            is_causal: bool, window: int | None) -> Tensor:
+    """The module's rule on broadcastable tensors: global positions and, with documents, the
+    ids of the query and key tokens (the block masks of ops/step_mask.py and ops/flex.py)."""
+    ok = (q_pos >= 0) & (k_pos >= 0) if q_doc is None else (q_doc == k_doc) & (q_doc >= 0)
+    if is_causal:
+        ok = ok & (k_pos <= q_pos)
+    if window is not None:
+        ok = ok & (q_pos - k_pos < window)
+    return ok
+
+
 def host_document_ids(document_ids: Tensor | np.ndarray | None,
                       seq_len: int | None = None) -> np.ndarray:
     """``(B, S)`` int64 ids on the host: one copy of a tensor (the step's one device read), or one

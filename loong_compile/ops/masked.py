@@ -43,11 +43,17 @@ from loong_compile.ops.ring import kv_buffer, kv_gradients, kv_parts, merge_part
 KV_TAG, DKV_TAG = 1, 2
 
 
-def post_step(masked: StepMask, step: int, kv: Tensor) -> DirectExchange | None:
-    """Step ``d`` of the KV exchange: our columns to rank ``r - d`` if it reads any, the columns
-    we read of rank ``r + d`` (every pair of ranks meets at one step, in one direction)."""
+def step_peers(masked: StepMask, step: int) -> tuple[int, int, tuple | None, tuple | None]:
+    """Step ``d`` pairs rank ``r`` with ``peer = r - d``, which reads ``serves`` of our columns,
+    and ``owner = r + d``, of whose columns we read ``needs`` (None: nothing); every pair of
+    ranks meets at one step, in one direction."""
     peer, owner = (masked.rank - step) % masked.cp, (masked.rank + step) % masked.cp
-    serves, needs = masked.plan.ranks[peer].needs.get(masked.rank), masked.mine.needs.get(owner)
+    return peer, owner, masked.plan.ranks[peer].needs.get(masked.rank), masked.mine.needs.get(owner)
+
+
+def post_step(masked: StepMask, step: int, kv: Tensor) -> DirectExchange | None:
+    """Step ``d`` of the KV exchange: to the peer the columns it reads, from the owner ours."""
+    peer, owner, serves, needs = step_peers(masked, step)
     sends = {} if serves is None else {peer: _columns(kv, serves).contiguous()}
     receives = {} if needs is None else {owner: kv.new_empty(_received_shape(kv, needs))}
     return DirectExchange(masked.group_name, sends, receives, KV_TAG) if sends or receives else None
@@ -55,10 +61,9 @@ def post_step(masked: StepMask, step: int, kv: Tensor) -> DirectExchange | None:
 
 def return_step(masked: StepMask, step: int, dkv_read: Tensor | None,
                 like: Tensor) -> DirectExchange | None:
-    """Step ``d`` of the dK/dV return: the gradients of rank ``r + d``'s columns we read go back
-    to it; rank ``r - d`` returns those of ours it read."""
-    peer, owner = (masked.rank - step) % masked.cp, (masked.rank + step) % masked.cp
-    serves = masked.plan.ranks[peer].needs.get(masked.rank)
+    """Step ``d`` of the dK/dV return: the gradients of the owner's columns we read go back to
+    it; the peer returns those of ours it read."""
+    peer, owner, serves, _ = step_peers(masked, step)
     sends = {} if dkv_read is None else {owner: dkv_read}
     receives = {} if serves is None else {peer: like.new_empty(_received_shape(like, serves))}
     return DirectExchange(masked.group_name, sends, receives, DKV_TAG) if sends or receives else None
@@ -168,12 +173,12 @@ def masked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
 
 def _add_returned(masked: StepMask, dkv: Tensor, step: int, returned: DirectExchange) -> None:
     """Add what rank ``r - step`` returns of the gradients of our columns it read."""
-    peer = (masked.rank - step) % masked.cp
+    peer, _, serves, _ = step_peers(masked, step)
     grads = returned.wait().get(peer)
     if grads is None:
         return
     offset = 0
-    for start, stop in masked.plan.ranks[peer].needs[masked.rank]:
+    for start, stop in serves:
         dkv[:, :, start:stop] += grads[:, :, offset:offset + stop - start]
         offset += stop - start
 

@@ -27,7 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from loong_compile.ops.comm import group
 from loong_compile.ops.flex import BlockMask, uses_flex
 from loong_compile.ops.flex import block_mask as flex_block_mask
-from loong_compile.ops.mask_plan import Block, MaskPlan, mask_plan
+from loong_compile.ops.mask_plan import Block, MaskPlan, allowed, mask_plan
 from loong_compile.parallel.tokens import local_token_indices
 
 
@@ -65,16 +65,14 @@ class StepMask:
                 self._flex_masks[block] = flex_block_mask(q_pos, k_pos, self.document_ids,
                                                           self.is_causal, self.window)
             return self._flex_masks[block]
-        offset = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)
-        mask = torch.ones(offset.shape, dtype=torch.bool, device=like.device).unsqueeze(0)
+        q_doc = k_doc = None
         if self.document_ids is not None:
             q_doc = self.document_ids[:, q_pos].unsqueeze(-1)
             k_doc = self.document_ids[:, k_pos].unsqueeze(-2)
-            mask = (q_doc == k_doc) & (q_doc >= 0)
-        if self.is_causal:
-            mask = mask & (offset >= 0)
-        if self.window is not None:
-            mask = mask & (offset < self.window)
+        mask = allowed(q_pos.unsqueeze(-1), k_pos.unsqueeze(-2), q_doc, k_doc, self.is_causal,
+                       self.window)
+        if mask.dim() == 2:  # one document: the same for every batch row
+            mask = mask.unsqueeze(0)
         return mask.unsqueeze(1)
 
 
