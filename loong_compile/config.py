@@ -84,7 +84,7 @@ class LoongConfig:
         for f in dataclasses.fields(self):
             _check(f.name, getattr(self, f.name))
         # the one rule between fields (sizes that need a world, a batch or a model are checked
-        # where those are known: mesh.py, data.py, ops/attention.py)
+        # where those are known: parallel/mesh.py, parallel/tokens.py, ops/attention.py)
         violation = inner_ring_violation(self.cp, self.inner_ring)
         if violation:
             raise LoongConfigError(*violation)

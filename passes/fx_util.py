@@ -9,7 +9,7 @@ from __future__ import annotations
 import operator
 import re
 from pathlib import Path
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -79,6 +79,24 @@ def getitem_users(node: torch.fx.Node) -> list[torch.fx.Node]:
 def is_random(node: torch.fx.Node) -> bool:
     """Whether ``node`` draws random numbers (running it again gives other values)."""
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def ancestors(roots: Iterable[Any], stop: Callable[[torch.fx.Node], bool] | None = None,
+              inputs: Callable[[torch.fx.Node], Iterable[Any]] | None = None
+              ) -> dict[torch.fx.Node, None]:
+    """The nodes ``roots`` are computed from, the roots included, in the order first reached
+    (an ordered set).  A node for which ``stop`` holds is neither included nor walked past;
+    ``inputs`` gives a node's inputs (default: its ``all_input_nodes``; e.g. a body's
+    placeholder -> the outer node it stands for).  Non-node roots and inputs are skipped."""
+    found: dict[torch.fx.Node, None] = {}
+    todo = list(roots)
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, torch.fx.Node) or node in found or (stop and stop(node)):
+            continue
+        found[node] = None
+        todo.extend(node.all_input_nodes if inputs is None else inputs(node))
+    return found
 
 
 def tangent_dependent(graph: torch.fx.Graph) -> set[torch.fx.Node]:

@@ -106,7 +106,7 @@ def _check_config(hp, cp, placement, w, dp=None, float32_non_causal=True):
                 reset_comm_counters()
                 grads = torch.autograd.grad(out, local, dout[:, :, index].to(dtype))
                 bwd = comm_counters()
-                # this rank's rows of the reference, at the positions data.py assigns it
+                # this rank's rows of the reference, at the positions parallel/tokens.py assigns it
                 errors = dict(zip(("out", "lse", "dq", "dk", "dv"),
                                   (relative_error(g, r[:, :, index])
                                    for g, r in zip((out, lse, *grads), want))))

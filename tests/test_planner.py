@@ -171,7 +171,7 @@ def test_time_limit_is_kept_and_reported():
     buffers = tiled_instance(0, 100)  # optimum = lower bound; greedy is 1.41x
     greedy = plan(buffers, alignment=1, method="greedy")
     p = plan(buffers, alignment=1, method="mip", time_limit=1.0)
-    assert p.solve_time < 1.0 + 3.0  # the greedy and the final verify run outside the limit
+    assert p.solve_time < 1.0 + 10.0  # the greedy and the final verify run outside the limit (slack for a loaded machine)
     assert p.arena <= greedy.arena
     if p.status != "optimal":
         assert p.status == "time_limit" and p.gap > 0
@@ -250,3 +250,12 @@ def test_degenerate_input_gets_a_correct_plan():
     assert p.arena == 128 and p.offsets[:2] == (0, 0)
     fits = plan([Buffer(600, 0, 4), Buffer(400, 2, 6)], alignment=1, capacity=1000)
     assert fits.arena == 1000
+
+
+def test_the_names_before_stop_29_still_work():
+    """``Plan`` meant both the memory planner's plan and the estimator's ranking; each has a
+    name of its own now, and the old name still imports."""
+    from loong_compile import estimate, planner
+
+    assert planner.Plan is planner.MemoryPlan and planner.plan([]).__class__.__name__ == "MemoryPlan"
+    assert estimate.Plan is estimate.Ranking

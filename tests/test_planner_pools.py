@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loong_compile.planner import Buffer, LoongPlanError, Plan, lower_bound, verify
+from loong_compile.planner import Buffer, LoongPlanError, MemoryPlan, lower_bound, verify
 from loong_compile.planner import pools as pools_module
 from loong_compile.planner.pools import _Segments, plan_pools, room_per_step
 
@@ -170,7 +170,7 @@ def test_segments_whose_plan_misses_the_lower_bound_are_replanned(monkeypatch):
             offsets.append(top)
             top += -(-b.size // alignment) * alignment
         lb = lower_bound(buffers, alignment)
-        return Plan(tuple(buffers), tuple(offsets), top, lb, lb, "heuristic", "stack", 0.0,
+        return MemoryPlan(tuple(buffers), tuple(offsets), top, lb, lb, "heuristic", "stack", 0.0,
                     alignment), []
 
     monkeypatch.setattr(pools_module, "_plan_buffers", stacking_plan)

@@ -1,6 +1,6 @@
 """Run-time checks of what a compiled graph receives: its position ids against the token layout.
 
-Under ``hp·cp > 1`` each rank holds the tokens that ``data.py``'s layout gives
+Under ``hp·cp > 1`` each rank holds the tokens that the layout of ``parallel/tokens.py`` gives
 it, and the position ids are how the model learns which: RoPE rotates, and
 learned position embeddings look up, by them.  Position ids that are not the
 layout's (a batch not cut with ``shard_batch``, positions made by hand or for

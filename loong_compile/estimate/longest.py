@@ -1,7 +1,7 @@
 """The longest sequence that fits (``loong plan --max-seq``), and the configuration that gets there.
 
 Per ``dp x cp x hp`` mesh the backend runs, the lengths it accepts are the multiples of the
-layout's sequence divisor (``layout.sequence_divisor``; of its least common multiple with
+layout's sequence divisor (``parallel.rules.sequence_divisor``; of its least common multiple with
 ``seq_multiple`` when the user wants rounder lengths).  On each mesh, "some configuration
 passes ``plan``'s memory rules" (``search.screen``: the estimator's verdict, the usable
 fraction, memo's host budget) holds up to a length and not beyond, since every memory term
@@ -19,7 +19,7 @@ import math
 from loong_compile.errors import LoongConfigError
 from loong_compile.estimate.hardware import HardwareProfile
 from loong_compile.estimate.models import ModelSpec
-from loong_compile.estimate.search import ZERO_STAGES, Plan, check_search, plan, screen
+from loong_compile.estimate.search import ZERO_STAGES, Ranking, check_search, plan, screen
 from loong_compile.parallel.rules import ACTIVATION_POLICIES, PLACEMENTS, divisors, head_violation, sequence_divisor
 
 # Longer than any sequence a GPU holds; a mesh that still fits there has no memory bound.
@@ -49,7 +49,7 @@ class LongestSequence:
 
     seq: int
     meshes: tuple[MeshReach, ...]
-    plan: Plan | None
+    plan: Ranking | None
 
     def to_dict(self, top: int | None = None) -> dict:
         """``plan``'s dict at ``seq`` (``ranked`` empty when nothing fits) with the reach per mesh."""

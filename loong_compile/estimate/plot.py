@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from loong_compile.errors import LoongConfigError
 from loong_compile.estimate.memory import MemoryBreakdown
-from loong_compile.estimate.search import Plan
+from loong_compile.estimate.search import Ranking
 from loong_compile.parallel.rules import PLACEMENTS
 
 
@@ -44,7 +44,7 @@ def plot_memory(breakdown: MemoryBreakdown, title: str, path: str) -> None:
     plt.close(fig)
 
 
-def plot_plan(result: Plan, path: str, top: int) -> None:
+def plot_plan(result: Ranking, path: str, top: int) -> None:
     """Left: memory of the ``top`` ranked configurations.  Right: predicted attention time per
     layer and sequence (a DP replica's time / dp) vs d_hp, best for each d_hp and placement."""
     plt = _pyplot()

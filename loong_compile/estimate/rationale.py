@@ -8,7 +8,7 @@ and, part by part, what it gains or loses against its neighbours and against #1.
 from __future__ import annotations
 
 from loong_compile.errors import LoongConfigError
-from loong_compile.estimate.search import Candidate, Plan
+from loong_compile.estimate.search import Candidate, Ranking
 
 
 def step_parts(c: Candidate, layers: int) -> dict[str, float]:
@@ -45,7 +45,7 @@ def _versus(c: Candidate, other: Candidate, name: str, layers: int) -> list[str]
     return lines
 
 
-def explain_rank(result: Plan, n: int) -> list[str]:
+def explain_rank(result: Ranking, n: int) -> list[str]:
     """Lines explaining configuration ``n`` (1-based) of ``result.ranked``."""
     if not 1 <= n <= len(result.ranked):
         raise LoongConfigError(f"--explain {n}", f"a rank between 1 and {len(result.ranked)} "

@@ -105,7 +105,10 @@ class Pruned:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Ranking:
+    """What ``plan`` found for one model, sequence and GPU count: the configurations that fit,
+    fastest first (``ranked``), and those left out with their reasons (``pruned``)."""
+
     model: ModelSpec
     seq: int
     gpus: int
@@ -205,7 +208,7 @@ def plan(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, *,
          policies: tuple[str, ...] = ACTIVATION_POLICIES, alphas: tuple[float, ...] = (0.0, 0.5, 1.0),
          zero_stages: tuple[int, ...] = ZERO_STAGES, micro_batch: int = 1,
          placements: tuple[str, ...] = PLACEMENTS,
-         memory_options: MemoryOptions | None = None, doc_length: int = 0) -> Plan:
+         memory_options: MemoryOptions | None = None, doc_length: int = 0) -> Ranking:
     """Enumerate, prune and rank.  ``memory_options`` supplies the switches and overheads
     (default ``MemoryOptions.loongtrain()``); its policy, alpha and ZeRO stage are searched.
     ``doc_length``: mean packed document length (0: one document per sequence)."""
@@ -225,7 +228,7 @@ def plan(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, *,
         ranked.append(Candidate(config, placement, policy, alpha, zero, memory, cost, step))
     ranked = _drop_dominated_rings(ranked, pruned)
     ranked.sort(key=lambda x: (-x.tokens_per_gpu_s, x.memory.estimate_gib, placements.index(x.placement)))
-    return Plan(model, seq, gpus, hardware, tuple(ranked), tuple(pruned))
+    return Ranking(model, seq, gpus, hardware, tuple(ranked), tuple(pruned))
 
 
 def _drop_dominated_rings(ranked: list[Candidate], pruned: list[Pruned]) -> list[Candidate]:

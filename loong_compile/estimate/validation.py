@@ -15,7 +15,7 @@ from loong_compile.estimate.hardware import load_hardware
 from loong_compile.estimate.memory import ParallelConfig
 from loong_compile.estimate.models import ModelSpec
 from loong_compile.estimate.presets import load_model
-from loong_compile.estimate.search import Plan, plan
+from loong_compile.estimate.search import Ranking, plan
 from loong_compile.estimate.step import step_cost
 from loong_compile.parallel.rules import PLACEMENTS, divisors
 
@@ -131,7 +131,7 @@ def loongtrain_best_agrees(cells: list[Cell]) -> list[tuple[str, str, str]]:
     return out
 
 
-def memo_plan(gpus: int, size: str, seq: int) -> Plan:
+def memo_plan(gpus: int, size: str, seq: int) -> Ranking:
     """The planner on MEMO's testbed (A800s) for one Table 3 workload."""
     return plan(MEMO_MODELS[size], seq, gpus, load_hardware("a800"), alphas=MEMO_ALPHAS,
                 placements=PLACEMENTS)

@@ -11,23 +11,12 @@ import torch
 
 from loong_compile.gpu_check.loopback import ring_attention, sdpa_reference
 from loong_compile.gpu_check.masked import check_masked_attention
+from loong_compile.gpu_check.measure import relative_error, require_cuda
 from loong_compile.gpu_check.report import Skip
 
 # Largest error relative to the reference's largest magnitude a half-precision user
 # accepts from an attention kernel (bf16 keeps 8 bits of mantissa, fp16 11).
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
-
-
-def require_cuda() -> torch.device:
-    if not torch.cuda.is_available():
-        raise Skip(f"no CUDA device (torch {torch.__version__}, "
-                   f"built with CUDA {torch.version.cuda or 'none'})")
-    return torch.device("cuda", 0)
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    want = want.double()
-    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-12))
 
 
 def _kernel_adapters() -> list[str]:

@@ -16,6 +16,8 @@ from unittest import mock
 
 import torch
 
+from loong_compile.gpu_check.measure import relative_error, require_cuda
+
 TOLERANCE = 2e-2   # bf16, as check_kernels
 SCALE_TOKENS = (32768, 131072)
 
@@ -76,7 +78,6 @@ def _fwd_bwd(q, k, v, dout, ids=None, window=None, plan=None):
 def check_masked_attention(figures: dict) -> str:
     """flex_attention's masked blocks: exact in bf16 against float64, then memory and time at
     32K and 128K tokens of packed documents against dense causal attention."""
-    from loong_compile.gpu_check.checks import relative_error, require_cuda
     from loong_compile.ops import masked_attention_plan
 
     device = require_cuda()

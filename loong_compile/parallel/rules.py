@@ -2,7 +2,7 @@
 activation policies), which sizes fit together (sequence, heads, inner ring) and where a mesh
 coordinate sits (rank of a coordinate, ring position of a CP rank).
 
-The backend (``config.py``, ``mesh.py``, ``data.py``, ``ops/``) and the estimator
+The backend (``config.py``, ``parallel/mesh.py``, ``parallel/tokens.py``, ``ops/``) and the estimator
 (``estimate/``, ``cli.py``) both read these, so ``loong plan`` refuses exactly what the
 backend refuses.  A rule returns a ``Violation`` (value, rule, fix) or None; each caller raises
 it as its own ``LoongError`` subclass (a config, mesh or shape error) or keeps it as the reason

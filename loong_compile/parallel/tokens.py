@@ -35,7 +35,7 @@ IGNORE_INDEX = -100
 
 def check_sequence_length(seq_len: int, cp: int, hp: int) -> None:
     """Raise ``LoongShapeError`` unless the layout can split ``seq_len`` tokens
-    (``layout.sequence_divisor``)."""
+    (``parallel.rules.sequence_divisor``)."""
     violation = sequence_violation(seq_len, cp, hp)
     if violation:
         raise LoongShapeError(*violation)

@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 
 from loong_compile.planner.problem import (
-    Buffer, LoongPlanError, Plan, check_buffers, lower_bound, verify,
+    Buffer, LoongPlanError, MemoryPlan, check_buffers, lower_bound, verify,
 )
 from loong_compile.planner.solve import plan
 
@@ -35,13 +35,13 @@ LEVEL1_SHARE = 0.4
 
 
 @dataclasses.dataclass(frozen=True)
-class BilevelPlan(Plan):
-    """A :class:`Plan` plus its parts: the level-1 plan of each distinct layer
+class BilevelPlan(MemoryPlan):
+    """A :class:`MemoryPlan` plus its parts: the level-1 plan of each distinct layer
     structure, which structure each layer uses, and the level-2 plan."""
 
-    level1: tuple[Plan, ...] = ()
+    level1: tuple[MemoryPlan, ...] = ()
     layer_structure: Mapping[Hashable, int] = dataclasses.field(default_factory=dict)
-    level2: Plan | None = None
+    level2: MemoryPlan | None = None
 
 
 def _layer_parts(buffers: Sequence[Buffer], spans: Mapping[Hashable, tuple[int, int]] | None):
@@ -102,7 +102,7 @@ def plan_bilevel(buffers: Sequence[Buffer], *, time_limit: float = 30.0, alignme
         structures.setdefault(structure, len(structures))
     layer_structure = {key: structures[_structure(buffers, span, inner, alignment)[1]]
                        for key, (span, inner) in layers.items()}
-    level1: list[Plan] = []
+    level1: list[MemoryPlan] = []
     level1_deadline = t0 + time_limit * LEVEL1_SHARE
     for k, structure in enumerate(structures):
         share = (level1_deadline - time.monotonic()) / (len(structures) - k)

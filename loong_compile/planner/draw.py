@@ -6,17 +6,17 @@ import os
 from collections.abc import Hashable
 
 from loong_compile.planner.pools import PoolPlan
-from loong_compile.planner.problem import Buffer, Plan
+from loong_compile.planner.problem import Buffer, MemoryPlan
 
 
-def _rectangles(plan: Plan | PoolPlan) -> tuple[list[tuple[Buffer, int, bool]], int]:
+def _rectangles(plan: MemoryPlan | PoolPlan) -> tuple[list[tuple[Buffer, int, bool]], int]:
     """``(buffer, offset, on its own)`` per buffer that takes memory, and the height drawn.
 
     A :class:`PoolPlan`'s pools never overlap in time, so they share the
     address axis; the buffers allocated on their own are stacked above them
     (first fit), as the allocator would hand them out anywhere.
     """
-    if isinstance(plan, Plan):
+    if isinstance(plan, MemoryPlan):
         return [(b, off, False) for b, off in zip(plan.buffers, plan.offsets)], plan.arena
     out = [(plan.buffers[i], off, False)
            for p, members in zip(plan.pools, plan.members) for i, off in zip(members, p.offsets)]
@@ -36,7 +36,7 @@ def _rectangles(plan: Plan | PoolPlan) -> tuple[list[tuple[Buffer, int, bool]], 
     return out, top
 
 
-def draw_plan(plan: Plan | PoolPlan, path: str | os.PathLike, *, title: str | None = None,
+def draw_plan(plan: MemoryPlan | PoolPlan, path: str | os.PathLike, *, title: str | None = None,
               color_by_layer: bool = True) -> str:
     """Write ``plan`` as a PNG (or any format matplotlib infers from ``path``); return the path.
 

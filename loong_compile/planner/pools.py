@@ -56,7 +56,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from loong_compile.planner.bilevel import plan_bilevel
-from loong_compile.planner.problem import Buffer, LoongPlanError, Plan, aligned, check_buffers
+from loong_compile.planner.problem import Buffer, LoongPlanError, MemoryPlan, aligned, check_buffers
 from loong_compile.planner.solve import plan
 
 # The whole-graph plan's share of the time limit (the segments get the rest).
@@ -80,10 +80,10 @@ class PoolPlan:
     """
 
     buffers: tuple[Buffer, ...]
-    pools: tuple[Plan, ...]
+    pools: tuple[MemoryPlan, ...]
     members: tuple[tuple[int, ...], ...]
     alone: tuple[int, ...]
-    whole: Plan
+    whole: MemoryPlan
     peak: int
     bound: int
     single_pool_peak: int
@@ -115,7 +115,7 @@ def layout_peak(background: Sequence[int], pools: Sequence[tuple[int, int, int]]
 
 
 def _plan_buffers(buffers: list[Buffer], time_limit: float, alignment: int, bilevel: bool,
-                  method: str) -> tuple[Plan, list[str]]:
+                  method: str) -> tuple[MemoryPlan, list[str]]:
     """One arena for ``buffers`` (bi-level when they carry layers), greedy if that raises."""
     try:
         if bilevel and any(b.layer is not None for b in buffers):
@@ -291,7 +291,7 @@ def plan_pools(buffers: Sequence[Buffer], backgrounds: Sequence[Sequence[int]],
     why = (f"would peak at {single_peak} B > bound {bounds[0]} B" if single_peak > bounds[0]
            else "would hold unused bytes at volatile steps or in another background scenario")
     arena_of: dict[tuple[int, int], int] = {everything: whole.arena}
-    plans: dict[tuple[int, int], tuple[Plan, list[str]]] = {}
+    plans: dict[tuple[int, int], tuple[MemoryPlan, list[str]]] = {}
     deadline = t0 + time_limit
     for _ in range(MAX_ROUNDS):
         chosen = [s for s in segments.choose(arena_of) if segments.inside(s)]

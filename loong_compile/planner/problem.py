@@ -47,7 +47,7 @@ class Buffer:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class MemoryPlan:
     """A verified memory plan.
 
     ``lower_bound`` is the largest total of simultaneously live (aligned)

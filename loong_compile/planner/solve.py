@@ -6,7 +6,7 @@
    it exhausts raises the proven bound.
 3. The MIP (planner/mip.py), warm-started from the incumbent, improves it or
    proves a bound within the remaining time.  If it fails or runs out of time,
-   the best heuristic plan is used and ``Plan.status``/``notes`` say so.
+   the best heuristic plan is used and ``MemoryPlan.status``/``notes`` say so.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from loong_compile.planner.greedy import greedy_plan
 from loong_compile.planner.mip import solve_mip
 from loong_compile.planner.problem import (
-    Buffer, Instance, LoongPlanError, Plan, check_buffers, verify,
+    Buffer, Instance, LoongPlanError, MemoryPlan, check_buffers, verify,
 )
 from loong_compile.planner.search import improve_by_search
 
@@ -46,7 +46,7 @@ def _check_options(time_limit: float, method: str, capacity: int | None) -> None
 
 
 def plan(buffers: Sequence[Buffer], *, time_limit: float = 10.0, alignment: int = 64,
-         capacity: int | None = None, method: str = "auto") -> Plan:
+         capacity: int | None = None, method: str = "auto") -> MemoryPlan:
     """Give every buffer a byte offset so that simultaneously live buffers never overlap.
 
     ``time_limit`` bounds the search and the MIP together (seconds);
@@ -120,6 +120,6 @@ def plan(buffers: Sequence[Buffer], *, time_limit: float = 10.0, alignment: int 
             "raise time_limit or the capacity")
     byte_offsets = inst.to_bytes(offsets)
     verify(buffers, byte_offsets, arena * inst.unit, alignment)
-    return Plan(tuple(buffers), byte_offsets, arena * inst.unit, inst.lower_bound * inst.unit,
+    return MemoryPlan(tuple(buffers), byte_offsets, arena * inst.unit, inst.lower_bound * inst.unit,
                 bound * inst.unit, status, method_used, time.monotonic() - t0, alignment,
                 tuple(notes))

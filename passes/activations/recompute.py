@@ -36,7 +36,7 @@ import torch.fx
 from loong_compile.passes.activations.classify import ActivationPlan, FollowsActivationPlan
 from loong_compile.passes.base import PassContext, SplitGraphs
 from loong_compile.passes.fx_util import (
-    base_of, first_in_order, getitem_users, insert_call, is_collective, is_layout_op, is_random, nbytes,
+    ancestors, base_of, first_in_order, getitem_users, insert_call, is_collective, is_layout_op, is_random, nbytes,
     node_flops, set_meta,
 )
 from loong_compile.passes.activations.saved_values import SavedValues
@@ -165,15 +165,7 @@ def _exchanged_back(attention_outs: set[Node]) -> set[Node]:
 
 def region(targets: list[Node], stop: Callable[[Node], bool], order: dict[Node, int]) -> list[Node]:
     """The forward nodes between the stops and ``targets``, in graph order."""
-    seen: set[Node] = set()
-    stack = list(targets)
-    while stack:
-        n = stack.pop()
-        if n in seen or stop(n):
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return sorted(seen, key=order.__getitem__)
+    return sorted(ancestors(targets, stop), key=order.__getitem__)
 
 
 @dataclasses.dataclass

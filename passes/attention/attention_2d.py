@@ -60,7 +60,7 @@ from loong_compile.passes.attention import input_roles, model_facts
 from loong_compile.passes.base import Pass, PassContext
 from loong_compile.passes.attention.document_ids import DocumentIds
 from loong_compile.passes.attention.flash_match import match_flash_attn
-from loong_compile.passes.fx_util import autocast_dtypes, module_path, source_line
+from loong_compile.passes.fx_util import ancestors, autocast_dtypes, module_path, source_line
 from loong_compile.passes.attention.kv_repeat import shape, unrepeated_kv
 from loong_compile.passes.attention.input_roles import Prover
 from loong_compile.passes.attention.mask_proof import MaskMeaning, MaskNotProven
@@ -321,16 +321,11 @@ def _window(node: torch.fx.Node, root, causal: bool, tokens: int | None, sp: int
 
 def _mask_cause(mask: Any) -> str:
     """What built an attention mask, from the graph inputs and ops it comes from."""
-    seen, todo, ops = set(), [mask], set()
-    while todo:
-        n = todo.pop()
-        if not isinstance(n, torch.fx.Node) or n in seen:
-            continue
-        seen.add(n)
+    ops = set()
+    for n in ancestors([mask]):
         if n.op == "placeholder" and "attention_mask" in n.name and n.meta.get("grapharg"):
             return "built from the attention_mask passed to the model (padding)"
         ops.add(n.target if isinstance(n.target, str) else getattr(n.target, "__name__", ""))
-        todo.extend(n.all_input_nodes)
     if "diff" in ops:
         return ("built by transformers from position_ids: it treats positions that do not "
                 "increase by one as packed documents (under torch.compile it does so whenever "

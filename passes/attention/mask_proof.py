@@ -42,6 +42,7 @@ import torch
 import torch.fx
 
 from loong_compile._compat.aot import real_tensors
+from loong_compile.passes.fx_util import ancestors
 from loong_compile.passes.subgraphs import hop_name
 
 POSITIONS, PADDING = "position_ids", "attention_mask"
@@ -224,30 +225,27 @@ class MaskSubgraph:
     def __init__(self, mask: torch.fx.Node, outer: dict):
         self.mask, self.outer = mask, outer
         self.inputs: list[torch.fx.Node] = []  # the graph inputs it reads
-        self._check(mask, set())
+        self._check(mask)
         self.length = mask_length(mask)
         value = mask.meta["example_value"]
         self.batch = value.shape[0] if value.dim() == 4 else 1  # rows: 1 where it broadcasts
 
-    def _check(self, node: Any, seen: set) -> None:
+    def _check(self, node: Any) -> None:
         """Find the graph inputs the mask reads; refuse an op whose effect hides elsewhere."""
-        todo = [node]
-        while todo:
-            n = todo.pop()
-            if not isinstance(n, torch.fx.Node) or n in seen:
-                continue
-            seen.add(n)
+        for n in ancestors([node], inputs=self._inputs_of):
             if n.op == "placeholder":
-                if n in self.outer:
-                    todo.append(self.outer[n])
-                else:
+                if n not in self.outer:
                     self.inputs.append(n)
-                continue
-            if n.op == "call_module" or hop_name(n) is not None \
+            elif n.op == "call_module" or hop_name(n) is not None \
                     or "functorch" in (getattr(n.target, "__module__", None) or ""):
                 raise MaskNotProven(f"it is built by {n.name} ({n.target}), which the backend "
                                     "does not evaluate on probes")
-            todo.extend(n.all_input_nodes)
+
+    def _inputs_of(self, n: torch.fx.Node) -> list:
+        """A node's inputs, a body's placeholder standing for the outer node passed to it."""
+        if n.op == "placeholder":
+            return [self.outer[n]] if n in self.outer else []
+        return n.all_input_nodes
 
     def prove(self, roles: dict[torch.fx.Node, str]) -> MaskMeaning:
         """The meaning of the mask with each input of ``roles`` (every input it reads ->
@@ -288,7 +286,7 @@ class MaskSubgraph:
             if n in env:
                 todo.pop()
                 continue
-            inputs = [self.outer[n]] if n.op == "placeholder" else n.all_input_nodes
+            inputs = self._inputs_of(n)
             pending = [a for a in inputs if a not in env]
             if pending:
                 todo.extend(pending)

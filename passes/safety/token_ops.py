@@ -14,6 +14,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from loong_compile.passes.fx_util import ancestors
+
 ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "diff", "roll", "flip",
               "sort", "argsort", "topk", "kthvalue", "index_select", "gather", "take_along_dim",
               "unfold", "narrow", "split", "chunk", "tensor_split", "unbind", "select", "flatten",
@@ -69,16 +71,7 @@ def only_returned(node: torch.fx.Node, top: torch.fx.Graph) -> bool:
 
 
 def from_input(node: torch.fx.Node, word: str) -> bool:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder" and word in n.name:
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
+    return any(n.op == "placeholder" and word in n.name for n in ancestors([node]))
 
 
 def full_slice(item: Any, size: int) -> bool:
