@@ -12,6 +12,8 @@ import pytest
 
 from loong_compile.testing import run_distributed
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--dim", "64", "--layers", "2", "--seq", "64", "--batch", "2", "--text-bytes", "200000"]
 

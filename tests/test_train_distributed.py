@@ -27,6 +27,8 @@ import loong_compile as lc
 from helpers import tiny_llama
 from loong_compile.testing import run_distributed
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 STEPS = 10
 BATCH, SEQ = 2, 48          # 48 = 3 * 16: an odd multiple of 2*cp*hp for sp = 4 and 8 (2*8 = 16)
 LR = 3e-3

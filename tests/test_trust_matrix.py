@@ -15,6 +15,8 @@ import pytest
 from loong_compile.testing import run_distributed
 from trust_matrix import WINDOW_SHARD, WINDOW_SHORT, Case, all_cases, judge, run_cases
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 # habit -> (error class, words its message must contain); every other case must be exact
 REFUSED_HABITS = {
     "labels": ("LoongTokenMixingError", ["pad", "labels", "shift_labels=", "num_items_in_batch"]),

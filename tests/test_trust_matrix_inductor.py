@@ -44,6 +44,8 @@ from helpers import BUDGET
 from loong_compile.testing import run_distributed
 from trust_matrix import INDUCTOR_TOLERANCE, WINDOW_SHARD, Case, reference, relative_error, run_cases
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 MEMO = {"activations": "memo", "resident_layers": 0, **BUDGET}
 POLICIES = {
     "none": {"activations": "none"},

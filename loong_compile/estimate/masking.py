@@ -5,7 +5,7 @@ rows of equal documents), windows of ``w`` tokens (transformers' convention)
 on the layers the model marks local.  Query-key pairs per sequence (the
 FLOPs) and, for the masked direct exchange of ``ops/masked.py``, the KV chunks
 the busiest CP rank serves, over the ``2·(cp-1)`` chunks the Double-Ring sends.
-``tests/test_estimate_masking.py`` checks both against the runtime's plan
+``tests/estimate/test_estimate_masking.py`` checks both against the runtime's plan
 (``ops/mask_plan.py``) on synthetic layouts.
 """
 

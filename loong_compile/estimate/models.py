@@ -4,7 +4,7 @@ experts, sliding-window layers, biases, QK-norms).
 
 Only the numbers that enter the formulas are kept (the 4D-estimator paper's Table 1:
 ``h, a, k, h_ffn, L, v``, plus what the families add).  Parameter counts follow what
-transformers builds from the same config (``tests/test_model_specs.py`` checks them on the
+transformers builds from the same config (``tests/estimate/test_model_specs.py`` checks them on the
 meta device).  A ``model_type`` the reader does not know is an error naming it; nothing is
 downloaded.
 """

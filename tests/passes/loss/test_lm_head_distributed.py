@@ -20,6 +20,8 @@ from trust_matrix import (
     reference, relative_error, token_ids, tolerance,
 )
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 HP, CP = 2, 2
 LOCAL_TOKENS = BATCH * SEQ // (HP * CP)
 

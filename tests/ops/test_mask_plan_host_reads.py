@@ -20,6 +20,8 @@ import torch
 from helpers import Sections, section_results, tiny_llama
 from loong_compile.testing import run_distributed
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 MOST_PER_STEP = 4
 SEQ = 64

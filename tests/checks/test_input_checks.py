@@ -27,6 +27,8 @@ from loong_compile.parallel.tokens import local_token_indices, mesh_token_indice
 from loong_compile.checks.inputs import Verdict, classify, describe, refused
 from loong_compile.testing import run_distributed
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 RANK_CHECK_TIMEOUT = 3      # seconds: the ranks that disagree wait this long
 SPAWN_TIMEOUT = 240         # well under the default rank-check timeout (300 s) a hang would take
 SEQ = 16

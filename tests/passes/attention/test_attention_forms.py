@@ -19,6 +19,8 @@ from conftest import STAND_INS
 from helpers import loong_error_in
 from loong_compile.testing import run_distributed
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 B, S, D, HEADS = 2, 32, 16, 4
 
 

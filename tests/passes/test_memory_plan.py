@@ -20,6 +20,8 @@ from loong_compile.passes.fx_util import layer_of_paths, normalize_module_path
 from loong_compile.passes.memory_plan import MemoryPlanPass, inductor_config_patches, layer_of_origins
 from loong_compile.testing import run_distributed
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 # A buffer carved out of a pool in Inductor's generated code (the module header always
 # defines ``alloc_from_pool``; a call on a pool is what matters).
 POOL_ALLOCATION = "= alloc_from_pool(pool"

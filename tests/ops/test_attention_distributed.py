@@ -24,6 +24,8 @@ from loong_compile.parallel.mesh import init_mesh
 from loong_compile.ops import attention_2d, comm_counters, reset_comm_counters
 from loong_compile.testing import run_distributed
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 BAD_INPUTS = "bad inputs"   # the section after the configs
 BATCH, HEAD_DIM = 2, 40

@@ -16,6 +16,8 @@ from loong_compile.passes.activations.measure import agree_min
 from loong_compile.parallel.mesh import init_mesh
 from loong_compile.testing import run_distributed
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 # (model, hp, cp, activations, alpha[, lowering]); resident_layers=0 so the 2 layers are
 # swapped.  Every alpha on both models, the (hp, cp) factorisations spread among them.  "none"
 # under 2D-Attention is issue 4's test.  alpha="auto" measures bandwidth and layer time on

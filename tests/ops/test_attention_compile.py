@@ -19,6 +19,8 @@ from loong_compile.parallel.mesh import init_mesh
 from loong_compile.ops import attention_2d, seq_all_to_all
 from loong_compile.testing import run_distributed
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 MESHES = [dict(hp=2, cp=2, inner_ring=2, placement="context_first"),  # MHA, both collectives
           dict(hp=4, cp=1), dict(hp=1, cp=4, inner_ring=2)]
 

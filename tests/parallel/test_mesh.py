@@ -15,6 +15,8 @@ from loong_compile.errors import LoongMeshError
 from loong_compile.parallel.mesh import init_mesh, rank_layout, ring_rank_lists
 from loong_compile.testing import run_distributed
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 
 def test_head_first_puts_hp_groups_on_consecutive_ranks():
     layout = rank_layout(2, 2, 2, "head_first")

@@ -21,6 +21,8 @@ from loong_compile.ops import (attention_2d, comm_counters, reset_comm_counters,
 from loong_compile.ops.mask_plan import mask_plan
 from loong_compile.testing import run_distributed
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 SEQ, BATCH, HEAD_DIM = 96, 2, 8
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}
 

@@ -20,6 +20,8 @@ from loong_compile.testing import run_distributed
 from trust_matrix import (BATCH, SEQ, _shifted, packed_documents, packed_positions, padding_mask,
                           relative_error, token_ids)
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 TOLERANCE = 1e-9  # float64 round-off: the model is float64 throughout (Llama's norms upcast
                   # to float32 inside, which one process does alike)
 

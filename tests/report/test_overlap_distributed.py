@@ -17,6 +17,8 @@ from loong_compile.passes import library_passes
 from loong_compile.passes.fx_util import is_collective
 from loong_compile.testing import run_distributed
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 ALPHAS = (0.0, 0.5)
 LAYERS = 4
 EXAMPLE = {"layers": LAYERS, "dim": 128, "ffn": 344}   # examples/llama.py's defaults

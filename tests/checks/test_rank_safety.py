@@ -17,6 +17,8 @@ from conftest import error_of, still_in_step
 from helpers import tiny_llama
 from loong_compile.testing import run_distributed
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 
 class Attention(torch.nn.Module):
     def __init__(self, with_mask: bool = False):

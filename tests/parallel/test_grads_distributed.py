@@ -19,6 +19,8 @@ from loong_compile.errors import LoongConfigError, LoongRankMismatchError
 from loong_compile.parallel.gradients import DEFAULT_BUCKET_BYTES
 from loong_compile.testing import run_distributed
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 SHAPES = [(3, 5), (7,), (4, 4, 2), (33,), (2, 300), (1,)]
 DTYPES = {"float32": [torch.float32], "float64": [torch.float64],
           "mixed": [torch.float32, torch.float64, torch.bfloat16]}

@@ -20,6 +20,8 @@ from loong_compile.ops import attention_2d, comm_counters, reset_comm_counters
 from loong_compile.parallel.mesh import init_mesh
 from loong_compile.parallel.tokens import mesh_token_indices
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
+
 BATCH, SEQ, HEADS = 2, 48, 4
 MESHES = [(2, 2, "head_first", 1), (2, 2, "context_first", 2)]
 # (query/key head dim, value head dim, KV heads)
