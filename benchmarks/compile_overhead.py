@@ -17,7 +17,8 @@ Depth mode (``--depths``): transformers' ``LlamaForCausalLM`` built from its
 config (width ``--dim``, 4 heads / 2 KV heads, SDPA; no download) at each
 depth; per variant a fresh process (empty Inductor cache) times the first
 training step (forward + backward, compile included) and a later step (median
-of ``--later`` steps after one warm-up step), one thread per process or rank.  Variants: at ``--hp 1`` (one
+of ``--later`` steps after one warm-up step), one thread per process or rank; ``--jobs N``
+runs N variants at once (for a machine with a core for each of their processes).  Variants: at ``--hp 1`` (one
 process) ``inductor`` (plain ``backend="inductor"``, the baseline) and
 ``backend="loong"`` per policy; at ``--hp 2`` (2 gloo ranks, one thread each,
 ``options={"hp": 2, "cp": 1, ...}``; times are the slower rank's) ``loong`` per
@@ -28,6 +29,7 @@ policy.  Policies: ``none`` (``activations="none"``, the default), ``memo``
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -170,41 +172,52 @@ print(json.dumps({{"first": max(r["first"] for r in results), "later": max(r["la
 """
 
 
+def depth_variant(spec: dict) -> dict:
+    """One variant of depth mode in a fresh process (or 2 ranks) with an empty Inductor cache:
+    its first and later step in seconds, or ``{"error": ...}``."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+                   TORCHINDUCTOR_AUTOGRAD_CACHE="0")
+        code = DEPTH_CHILD.format(bench=str(ROOT / "benchmarks"), spec=spec)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if out.returncode:
+        return {"error": out.stderr.strip().splitlines()[-1:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def depth_mode(args: argparse.Namespace) -> None:
-    rows = []
-    print(f"transformers LlamaForCausalLM: dim {args.dim}, 4 heads / 2 KV heads, batch {args.batch} x "
-          f"seq {args.seq}; first step incl. compile (fresh process, empty Inductor cache); "
-          f"later step: median of {args.later}")
-    print(f"{'layers':>6} {'hp':>3} {'variant':>10} {'first s':>9} {'later s':>8} "
-          f"{'first / inductor':>17} {'later / no plan':>16}", flush=True)
+    runs = []  # (layers, hp, variant name, spec), in the table's order
     for layers in args.depths:
         for hp in args.hp:
             chosen = ([("inductor", "inductor", {})] if hp == 1 and not args.no_inductor else [])
             for policy in args.policies:
-                options = dict(POLICIES[policy], **({"hp": hp, "cp": 1} if hp > 1 else {}))
-                chosen.append((policy, "loong", options))
-            times = {}
-            for name, backend, options in chosen:
-                spec = {"dim": args.dim, "layers": layers, "seq": args.seq, "batch": args.batch,
-                        "hp": hp, "backend": backend, "options": options, "later": args.later}
-                with tempfile.TemporaryDirectory() as cache:
-                    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_FX_GRAPH_CACHE="0",
-                               TORCHINDUCTOR_AUTOGRAD_CACHE="0")
-                    code = DEPTH_CHILD.format(bench=str(ROOT / "benchmarks"), spec=spec)
-                    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                                         text=True)
-                if out.returncode:
-                    print(f"{layers:6d} {hp:3d} {name:>10} failed: {out.stderr.strip().splitlines()[-1:]}",
-                          flush=True)
-                    continue
-                times[name] = t = json.loads(out.stdout.strip().splitlines()[-1])
-                base = times.get("inductor")
-                ratio = f"{t['first'] / base['first']:16.2f}x" if base and name != "inductor" else f"{'':>17}"
-                no_plan = times.get(name.replace("+plan", "")) if name.endswith("+plan") else None
-                later = f"{t['later'] / no_plan['later']:15.2f}x" if no_plan else ""
-                print(f"{layers:6d} {hp:3d} {name:>10} {t['first']:9.2f} {t['later']:8.3f} {ratio} {later}",
-                      flush=True)
-                rows.append({"layers": layers, "hp": hp, "variant": name, **t})
+                chosen.append((policy, "loong", dict(POLICIES[policy],
+                                                     **({"hp": hp, "cp": 1} if hp > 1 else {}))))
+            runs += [(layers, hp, name, {"dim": args.dim, "layers": layers, "seq": args.seq,
+                                         "batch": args.batch, "hp": hp, "backend": backend,
+                                         "options": options, "later": args.later})
+                     for name, backend, options in chosen]
+    print(f"transformers LlamaForCausalLM: dim {args.dim}, 4 heads / 2 KV heads, batch {args.batch} x "
+          f"seq {args.seq}; first step incl. compile (fresh process, empty Inductor cache); "
+          f"later step: median of {args.later}; {args.jobs} variant(s) at a time")
+    print(f"{'layers':>6} {'hp':>3} {'variant':>10} {'first s':>9} {'later s':>8} "
+          f"{'first / inductor':>17} {'later / no plan':>16}", flush=True)
+    # variants in parallel only on a machine with a core for each of their processes
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(depth_variant, [spec for *_, spec in runs]))
+    times, rows = {}, []
+    for (layers, hp, name, _), t in zip(runs, results):
+        if "error" in t:
+            print(f"{layers:6d} {hp:3d} {name:>10} failed: {t['error']}", flush=True)
+            continue
+        times[layers, hp, name] = t
+        base = times.get((layers, hp, "inductor"))
+        ratio = f"{t['first'] / base['first']:16.2f}x" if base and name != "inductor" else f"{'':>17}"
+        no_plan = times.get((layers, hp, name.replace("+plan", ""))) if name.endswith("+plan") else None
+        later = f"{t['later'] / no_plan['later']:15.2f}x" if no_plan else ""
+        print(f"{layers:6d} {hp:3d} {name:>10} {t['first']:9.2f} {t['later']:8.3f} {ratio} {later}",
+              flush=True)
+        rows.append({"layers": layers, "hp": hp, "variant": name, **t})
     print(json.dumps(rows))
 
 
@@ -223,6 +236,8 @@ def main() -> None:
                         help="depth mode: loong variants")
     parser.add_argument("--no-inductor", action="store_true", help="depth mode: skip the baseline")
     parser.add_argument("--later", type=int, default=3, help="depth mode: later steps timed")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="depth mode: variants run at once (each takes a core per process)")
     args = parser.parse_args()
     if args.depths:
         return depth_mode(args)
