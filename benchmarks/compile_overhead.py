@@ -180,9 +180,12 @@ def depth_variant(spec: dict) -> dict:
                    TORCHINDUCTOR_AUTOGRAD_CACHE="0")
         code = DEPTH_CHILD.format(bench=str(ROOT / "benchmarks"), spec=spec)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    if out.returncode:
-        return {"error": out.stderr.strip().splitlines()[-1:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = ({"error": out.stderr.strip().splitlines()[-1:]} if out.returncode else
+              json.loads(out.stdout.strip().splitlines()[-1]))
+    # each as it ends: a run cut short by a time limit still shows the variants it finished
+    print(f"done: {spec['layers']} layers, hp {spec['hp']}, {spec['backend']} {spec['options']}: "
+          f"{result}", file=sys.stderr, flush=True)
+    return result
 
 
 def depth_mode(args: argparse.Namespace) -> None:
