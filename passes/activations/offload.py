@@ -157,11 +157,10 @@ class OffloadPass(FollowsActivationPlan):
     def _offload(saved: SavedValues, unit: Node, layer: int, next_next_layer: Node | None) -> None:
         fw = saved.fw
         uses = forward_uses(unit)
-        last = last_in_order(fw, uses) if uses else unit
+        last = last_in_order(uses) if uses else unit
         with fw.inserting_before(last.next):
             host = insert_call(fw, OFFLOAD, (unit,), name=f"offload_{unit.name}")
-        order = {n: k for k, n in enumerate(fw.nodes)}
-        anchor = next_next_layer if next_next_layer is not None and order[next_next_layer] > order[host] \
+        anchor = next_next_layer if next_next_layer is not None and next_next_layer > host \
             else saved.output
         with fw.inserting_before(anchor):
             waited = insert_call(fw, WAIT, (host, unit, _compute_before(anchor, host), layer),
@@ -172,9 +171,8 @@ class OffloadPass(FollowsActivationPlan):
     def _reload(bw: torch.fx.Graph, ph: Node, layer: int, device: torch.device,
                 layer_above: Node | None) -> Node:
         users = list(ph.users)
-        first = first_in_order(bw, users)
-        order = {n: k for k, n in enumerate(bw.nodes)}
-        if layer_above is not None and order[layer_above] < order[first]:
+        first = first_in_order(users)
+        if layer_above is not None and layer_above < first:
             start, after = layer_above, _compute_before(layer_above)
         else:   # no layer above: the backward of what follows the layers (the head) overlaps it
             start, after = next(n for n in bw.nodes if n.op == "call_function"), None

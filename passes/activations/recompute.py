@@ -283,7 +283,7 @@ class TokenSliceRecomputePass(FollowsActivationPlan):
             for b in targets:
                 saved.remove(b)
             return []
-        anchor = first_in_order(bw, users)
+        anchor = first_in_order(users)
         with bw.inserting_before(anchor):
             if sliced:
                 copies = self._copy_region(rw, rw.region(sliced), on_tokens=True)

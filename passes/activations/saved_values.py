@@ -100,7 +100,7 @@ class SavedValues:
             ph = self.placeholder(view)
             users = list(ph.users)
             if users:
-                with self.bw.inserting_before(first_in_order(self.bw, users)):
+                with self.bw.inserting_before(first_in_order(users)):
                     env = {base: base_ph}
                     for node in view_path(view):
                         env[node] = self.bw.node_copy(node, env.__getitem__)
