@@ -72,25 +72,32 @@ class ActivationPlan:
     # as it is, not rebased onto the tensor it slices) and their (layer, category).
     prefixes: set[torch.fx.Node] = dataclasses.field(default_factory=set)
     owners: dict[torch.fx.Node, tuple[int | None, str]] = dataclasses.field(default_factory=dict)
+    _by_base: dict[torch.fx.Node, tuple[int | None, str]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False)
 
     def category(self, base: torch.fx.Node) -> tuple[int | None, str]:
         """(layer, category) of a storage, including ones the later passes save."""
         if base in self.owners:
             return self.owners[base]
-        for v in self.values:
-            if v.base is base:
-                return v.layer, v.category
+        if not self._by_base:   # the first saved value of each storage, as a scan would find it
+            for v in reversed(self.values):
+                self._by_base[v.base] = (v.layer, v.category)
+        if base in self._by_base:
+            return self._by_base[base]
         if base.op in ("placeholder", "get_attr"):
             return None, "graph_input"
         return None, "outside"
 
     def table(self) -> list[dict[str, Any]]:
         """Per layer and category: count of saved values and bytes of their distinct storages."""
+        grouped: dict[tuple[int | None, str], list[SavedValue]] = {}
+        for v in self.values:
+            grouped.setdefault((v.layer, v.category), []).append(v)
         rows = []
         for i, name in enumerate(self.layers.names):
             row: dict[str, Any] = {"layer": name}
             for cat in CATEGORIES:
-                row[cat] = _count_bytes([v for v in self.values if v.layer == i and v.category == cat])
+                row[cat] = _count_bytes(grouped.get((i, cat), []))
             row["total_bytes"] = sum(row[c]["bytes"] for c in CATEGORIES)
             rows.append(row)
         return rows
@@ -126,8 +133,12 @@ def classify(split: SplitGraphs) -> ActivationPlan:
     return ActivationPlan(layers, values, seq_layer)
 
 
-def layer_flops(plan: ActivationPlan, layer: int) -> int:
-    return sum(node_flops(n) for n, i in plan.layers.node_layer.items() if i == layer)
+def layer_flops(plan: ActivationPlan) -> dict[int, int]:
+    """FLOPs per layer, in one walk over the layers' nodes."""
+    flops: dict[int, int] = {}
+    for node, layer in plan.layers.node_layer.items():
+        flops[layer] = flops.get(layer, 0) + node_flops(node)
+    return flops
 
 
 def decide_alpha(plan: ActivationPlan, config: Any) -> None:
@@ -141,7 +152,7 @@ def decide_alpha(plan: ActivationPlan, config: Any) -> None:
         for cat in CATEGORIES:
             sizes[cat] = max(sizes[cat], row[cat]["bytes"])
     device, dtype = _device_and_dtype(plan)
-    flops = max((layer_flops(plan, i) for i in range(n)), default=0)
+    flops = max(layer_flops(plan).values(), default=0)
     with real_tensors():   # the partitioner runs under fake mode: measure for real
         bandwidth = (measure_host_bandwidth(device) if config.host_bandwidth == "auto"
                      else float(config.host_bandwidth))
