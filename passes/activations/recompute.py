@@ -163,9 +163,10 @@ def _exchanged_back(attention_outs: set[Node]) -> set[Node]:
 
 
 
-def region(targets: list[Node], stop: Callable[[Node], bool], order: dict[Node, int]) -> list[Node]:
-    """The forward nodes between the stops and ``targets``, in graph order."""
-    return sorted(ancestors(targets, stop), key=order.__getitem__)
+def region(targets: list[Node], stop: Callable[[Node], bool]) -> list[Node]:
+    """The forward nodes between the stops and ``targets``, in graph order (FX nodes compare
+    by their place)."""
+    return sorted(ancestors(targets, stop))
 
 
 @dataclasses.dataclass
@@ -176,7 +177,6 @@ class LayerRewrite:
     plan: ActivationPlan
     stop: Callable[[Node], bool]          # where a recompute chain starts (saved or outside)
     roots: set[Node]                      # the layer input and attention outputs
-    order: dict[Node, int]                # forward graph order
     steps: dict[Node, Step]               # token analysis of the layer's nodes
     token_roots: dict[Node, TokenDim]     # where the analysis started (empty: no slicing)
     kept: int                             # a: tokens offloaded, not recomputed
@@ -184,7 +184,7 @@ class LayerRewrite:
     emitted: list[Node] = dataclasses.field(default_factory=list)   # backward nodes that recompute
 
     def region(self, targets: list[Node]) -> list[Node]:
-        return region(targets, self.stop, self.order)
+        return region(targets, self.stop)
 
 
 class TokenSliceRecomputePass(FollowsActivationPlan):
@@ -197,10 +197,9 @@ class TokenSliceRecomputePass(FollowsActivationPlan):
             return dict(self.NO_PLAN)
         saved = SavedValues(split, keep=plan.prefixes)
         fw_nodes = list(split.forward.graph.nodes)
-        order = {n: k for k, n in enumerate(fw_nodes)}
         layers = []
         for layer in plan.swapped:
-            layers.append(self._layer(plan, layer, saved, fw_nodes, order))
+            layers.append(self._layer(plan, layer, saved, fw_nodes))
         split.forward.graph.eliminate_dead_code()
         split.backward.graph.eliminate_dead_code()
         split.forward.graph.lint()
@@ -209,7 +208,7 @@ class TokenSliceRecomputePass(FollowsActivationPlan):
         return {"matched": sum(len(r["sliced"]) + len(r["full"]) + len(r["kept"]) for r in layers),
                 "alpha": plan.alpha, "layers": layers}
 
-    def _layer(self, plan, layer, saved, fw_nodes, order) -> dict[str, Any]:
+    def _layer(self, plan, layer, saved, fw_nodes) -> dict[str, Any]:
         others = list(dict.fromkeys(v.base for v in plan.values if v.layer == layer and v.category == "other"))
         row: dict[str, Any] = {"layer": plan.layers.names[layer], "sliced": [], "full": [], "kept": [],
                                "recomputed_bytes": 0, "recompute_flops": 0}
@@ -245,10 +244,10 @@ class TokenSliceRecomputePass(FollowsActivationPlan):
             token_roots |= {o: TokenDim(len(shape_of(o)) - 2) for o in attention_outs
                             if is_collective(o) and is_tensor(o) and len(shape_of(o)) >= 3
                             and shape_of(o)[-2] == s}
-        steps, failures = analyse(region(others, stop, order), token_roots, s) if token_roots else ({}, {})
+        steps, failures = analyse(region(others, stop), token_roots, s) if token_roots else ({}, {})
         sliced, full = [], []
         for b in others:
-            if any(is_random(n) for n in region([b], stop, order)):
+            if any(is_random(n) for n in region([b], stop)):
                 row["kept"].append({"value": b.name, "reason": "its recompute chain has a random op"})
                 continue
             if is_collective(b):
@@ -264,7 +263,7 @@ class TokenSliceRecomputePass(FollowsActivationPlan):
             else:
                 sliced.append(b)
                 row["sliced"].append(b.name)
-        rewrite = LayerRewrite(saved, plan, stop, roots, order, steps, token_roots, a, s)
+        rewrite = LayerRewrite(saved, plan, stop, roots, steps, token_roots, a, s)
         emitted = self._emit(rewrite, sliced, full)
         row["recomputed_bytes"] = sum(nbytes(b) * (s - a) // s for b in sliced) + sum(nbytes(b) for b in full)
         row["recompute_flops"] = sum(node_flops(n) for n in emitted)
