@@ -83,6 +83,14 @@ def _compute_before(node: Node, start: Node | None = None) -> Node | None:
     return None
 
 
+def _insert_wait(graph: torch.fx.Graph, args: tuple, name: str) -> Node:
+    """A ``wait_tensor`` call: it returns its first argument, so its fake value is that one's
+    (no fake dispatch, one of the pass's costs that grow with depth)."""
+    node = graph.call_function(WAIT, args, name=name)
+    node.meta["val"] = args[0].meta["val"]
+    return node
+
+
 class OffloadPass(FollowsActivationPlan):
     name = "offload"
     uses = (RECOMPUTED_LAYERS,)    # per-layer recompute rows, for the report
@@ -163,8 +171,8 @@ class OffloadPass(FollowsActivationPlan):
         anchor = next_next_layer if next_next_layer is not None and next_next_layer > host \
             else saved.output
         with fw.inserting_before(anchor):
-            waited = insert_call(fw, WAIT, (host, unit, _compute_before(anchor, host), layer),
-                                 name=f"wait_{host.name}")
+            waited = _insert_wait(fw, (host, unit, _compute_before(anchor, host), layer),
+                                  name=f"wait_{host.name}")
         saved.replace(unit, waited)
 
     @staticmethod
@@ -179,8 +187,8 @@ class OffloadPass(FollowsActivationPlan):
         with bw.inserting_before(start):
             back = insert_call(bw, RELOAD, (ph, device, after), name=f"reload_{ph.name}")
         with bw.inserting_before(first):
-            ready = insert_call(bw, WAIT, (back, ph, _compute_before(first, back), layer),
-                                name=f"wait_{back.name}")
+            ready = _insert_wait(bw, (back, ph, _compute_before(first, back), layer),
+                                 name=f"wait_{back.name}")
         for user in users:
             user.replace_input_with(ph, ready)
         return back

@@ -32,15 +32,19 @@ class SavedValues:
                 self.tensors.append([fw_node, ph])
             else:
                 self.others.append(fw_node)
+        # indexes, so that editing every saved value of an 80-layer graph stays linear
+        self._pair: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        for pair in self.tensors:
+            self._pair.setdefault(pair[0], pair)
+        self._base: dict[torch.fx.Node, torch.fx.Node] = {}
+        self._bw_names: set[str] | None = None
 
     def __iter__(self):
         return iter([tuple(pair) for pair in self.tensors])
 
     def placeholder(self, fw_node: torch.fx.Node) -> torch.fx.Node | None:
-        for node, ph in self.tensors:
-            if node is fw_node:
-                return ph
-        return None
+        pair = self._pair.get(fw_node)
+        return None if pair is None else pair[1]
 
     def add(self, fw_node: torch.fx.Node) -> torch.fx.Node:
         """Save ``fw_node`` too (if it isn't yet); its backward placeholder."""
@@ -53,16 +57,11 @@ class SavedValues:
             ctx = self.bw.inserting_before(first)
         else:
             ctx = self.bw.inserting_after(anchor)
-        # A placeholder's target is its argument name in the generated code: keep it equal to
-        # the node's name by choosing a name no node has (FX would rename only the node).
-        taken = {n.name for n in self.bw.nodes}
-        name = fw_node.name
-        while name in taken:
-            name += "_saved"
         with ctx:
-            ph = self.bw.placeholder(name)
+            ph = self._placeholder_named_like(fw_node.name)
         ph.meta["val"] = fw_node.meta["val"]
         self.tensors.append([fw_node, ph])
+        self._pair[fw_node] = self.tensors[-1]
         self._commit()
         return ph
 
@@ -71,6 +70,8 @@ class SavedValues:
         for pair in self.tensors:
             if pair[0] is fw_old:
                 pair[0] = fw_new
+                del self._pair[fw_old]
+                self._pair.setdefault(fw_new, pair)
                 pair[1].meta["val"] = fw_new.meta["val"]
                 self._commit()
                 return pair[1]
@@ -84,6 +85,7 @@ class SavedValues:
                     raise RuntimeError(f"{ph.name} is still used by {list(ph.users)}")
                 self.bw.erase_node(ph)
                 del self.tensors[k]
+                del self._pair[fw_node]
                 self._commit()
                 return
         raise KeyError(fw_node.name)
@@ -92,7 +94,7 @@ class SavedValues:
         """Save ``base`` alone instead of views of it: the backward rebuilds each view from the
         base's placeholder right before the view's first use.  Returns the base's placeholder."""
         views = [node for node, _ in self.tensors
-                 if node is not base and node not in self.keep and base_of(node) is base]
+                 if node is not base and node not in self.keep and self._base_of(node) is base]
         if not views and self.placeholder(base) is not None:
             return self.placeholder(base)
         base_ph = self.add(base)
@@ -108,6 +110,27 @@ class SavedValues:
                     user.replace_input_with(ph, env[view])
             self.remove(view)
         return base_ph
+
+    def _base_of(self, node: torch.fx.Node) -> torch.fx.Node:
+        if node not in self._base:
+            self._base[node] = base_of(node)
+        return self._base[node]
+
+    def _placeholder_named_like(self, name: str) -> torch.fx.Node:
+        """A new backward placeholder whose name is ``name`` (or ``name`` + ``_saved``...).  Its
+        target is its argument name in the generated code: keep it equal to the node's name by
+        choosing a name FX has not given (FX would rename only the node).  The names are
+        collected once; a name FX refuses (a node made since, or one erased) is skipped."""
+        if self._bw_names is None:
+            self._bw_names = {n.name for n in self.bw.nodes}
+        while True:
+            while name in self._bw_names:
+                name += "_saved"
+            ph = self.bw.placeholder(name)
+            self._bw_names.update((name, ph.name))
+            if ph.name == name:
+                return ph
+            self.bw.erase_node(ph)
 
     def _commit(self) -> None:
         saved = [node for node, _ in self.tensors] + self.others

@@ -35,18 +35,24 @@ def hold_prefetches(items: list[tuple[str, str, str, tuple[int, ...]]],
         elif op == "" and len(inputs) == 1 and inputs[0] in reload_of:
             reload_of[i] = reload_of[inputs[0]]
     position = {node: p for p, node in enumerate(order)}
-    holds, moved = [], 0
-    for reloads in layers.values():
+    layer_of, follow = {}, {}       # reload -> its layer's key; first reload -> the others
+    for key, reloads in layers.items():
         reloads.sort(key=position.__getitem__)
-        later = set(reloads[1:])
-        moved += sum(position[r] != position[reloads[0]] + k for k, r in enumerate(reloads))
-        order = [n for n in order if n not in later]
-        at = order.index(reloads[0]) + 1
-        order[at:at] = reloads[1:]
-        for w, (_, _, op, inputs) in enumerate(items):
-            waited = {reload_of[i] for i in inputs if i in reload_of}
-            if op == "loong.wait_tensor" and waited & set(reloads):
-                holds += [(w, r) for r in reloads if r not in waited]
+        layer_of.update(dict.fromkeys(reloads, key))
+        follow[reloads[0]] = reloads[1:]
+    moved = sum(position[r] != position[reloads[0]] + k
+                for reloads in layers.values() for k, r in enumerate(reloads))
+    # one pass over the order and one over the nodes, so it stays linear in depth
+    moving = {r for rest in follow.values() for r in rest}
+    order = [m for n in order if n not in moving for m in (n, *follow.get(n, ()))]
+    held: dict[tuple[int, ...], list[tuple[int, int]]] = {key: [] for key in layers}
+    for w, (_, _, op, inputs) in enumerate(items):
+        if op != "loong.wait_tensor":
+            continue
+        waited = {reload_of[i] for i in inputs if i in reload_of}
+        for key in dict.fromkeys(layer_of[r] for r in waited):
+            held[key] += [(w, r) for r in layers[key] if r not in waited]
+    holds = [hold for key in layers for hold in held[key]]
     return order, holds, {"prefetch_layers": len(layers), "reloads_moved": moved, "waits_held": len(holds)}
 
 

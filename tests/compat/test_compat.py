@@ -90,3 +90,26 @@ def test_private_torch_modules_are_imported_only_inside_compat():
     private = re.compile(r"^\s*(from|import) torch\._\w+", re.M)
     offenders = [str(p) for p in sources if private.search(p.read_text())]
     assert not offenders
+
+
+def test_held_ancestors_are_what_inductor_would_compute(monkeypatch):
+    """The scheduler hook updates the ancestors of the nodes its holds reach instead of making
+    them all again: on a memo backward (every layer's waits held after its reloads) each node's
+    ancestors and order must equal what ``Scheduler.compute_ancestors`` gives."""
+    from loong_compile._compat import inductor
+    from helpers import run_step
+
+    checked = []
+    update = inductor._add_held_ancestors
+
+    def compare(scheduler, holds):
+        update(scheduler, holds)
+        got = {n.get_name(): (set(n.ancestors), n.min_order) for n in scheduler.nodes}
+        scheduler.compute_ancestors()
+        want = {n.get_name(): (set(n.ancestors), n.min_order) for n in scheduler.nodes}
+        checked.append((len(holds), got == want))
+
+    monkeypatch.setattr(inductor, "_add_held_ancestors", compare)
+    run_step("example", {"activations": "memo", "alpha": 0.5, "resident_layers": 0},
+             lowering="inductor")
+    assert any(holds for holds, _ in checked) and all(same for _, same in checked), checked
