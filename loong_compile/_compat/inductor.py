@@ -139,30 +139,36 @@ def _order_scheduler_nodes(order_nodes, snodes: list) -> list:
 
 def _add_held_ancestors(scheduler, holds: list) -> None:
     """The ancestors ``Scheduler.compute_ancestors`` would give once ``holds`` (``(node, other)``:
-    ``node`` after ``other``) are dependencies, updated where they change instead of made
-    again: making them is quadratic in the nodes (seconds for an 80-layer backward), the
-    update is linear per held node.  Holds are applied per held node in schedule order, so
-    the ancestors of a node a hold adds are complete when it is added; a descendant of the held
-    node already has the held node's ancestors and receives only what is new to it."""
+    ``node`` after ``other``) are dependencies, by adding what is new instead of making them
+    all again (quadratic in the nodes: seconds for an 80-layer backward).  One pass in schedule
+    order: a held node gains the nodes it now waits for and their ancestors it lacks (a walk
+    up that stops at what it has), and every node what its dependencies gained, less what it
+    has; what it has, its descendants have too, so only the rest travels on."""
     if len({id(snode.ancestors) for snode in scheduler.nodes}) < len(scheduler.nodes):
         scheduler.compute_ancestors()   # a set shared between nodes must not be updated in place
         return
+    by_name = {snode.get_name(): snode for snode in scheduler.nodes}
+
+    def producers(snode) -> list[str]:
+        return [scheduler.name_to_buf[dep.name].defining_op_name() for dep in snode.unmet_dependencies]
+
     added: dict = {}
     for node, other in holds:
-        added.setdefault(node, []).append(other)
-    position = {snode: p for p, snode in enumerate(scheduler.nodes)}
-    for node in sorted(added, key=position.__getitem__):
-        new = {}     # ordered, as compute_ancestors' sets are
-        for other in added[node]:
-            new.update(dict.fromkeys([other.get_name(), *other.ancestors]))
-        new = [name for name in new if name not in node.ancestors]
-        if not new:
-            continue
-        name = node.get_name()
-        node.ancestors |= new
-        for later in scheduler.nodes[position[node] + 1:]:
-            if name in later.ancestors:
-                later.ancestors |= new
+        added.setdefault(node, []).append(other.get_name())
+    gained: dict[str, list[str]] = {}
+    for snode in scheduler.nodes:
+        new = {}        # ordered, as compute_ancestors' sets are
+        stack = list(reversed(added.get(snode, ())))
+        while stack:
+            name = stack.pop()
+            if name not in snode.ancestors and name not in new:
+                new[name] = None
+                stack.extend(producers(by_name[name]))
+        for producer in producers(snode):
+            new.update(dict.fromkeys(n for n in gained.get(producer, ()) if n not in snode.ancestors))
+        if new:
+            snode.ancestors |= new
+            gained[snode.get_name()] = list(new)
 
 
 def generated_code(fn, *args, **kwargs):
