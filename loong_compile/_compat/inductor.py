@@ -144,6 +144,8 @@ def _add_held_ancestors(scheduler, holds: list) -> None:
     order: a held node gains the nodes it now waits for and their ancestors it lacks (a walk
     up that stops at what it has), and every node what its dependencies gained, less what it
     has; what it has, its descendants have too, so only the rest travels on."""
+    if not holds:
+        return                          # a new order alone leaves every ancestor set as it is
     if len({id(snode.ancestors) for snode in scheduler.nodes}) < len(scheduler.nodes):
         scheduler.compute_ancestors()   # a set shared between nodes must not be updated in place
         return

@@ -67,15 +67,14 @@ class SavedValues:
 
     def replace(self, fw_old: torch.fx.Node, fw_new: torch.fx.Node) -> torch.fx.Node:
         """Save ``fw_new`` in ``fw_old``'s place; the same placeholder, with the new value."""
-        for pair in self.tensors:
-            if pair[0] is fw_old:
-                pair[0] = fw_new
-                del self._pair[fw_old]
-                self._pair.setdefault(fw_new, pair)
-                pair[1].meta["val"] = fw_new.meta["val"]
-                self._commit()
-                return pair[1]
-        raise KeyError(fw_old.name)
+        pair = self._pair.pop(fw_old, None)
+        if pair is None:
+            raise KeyError(fw_old.name)
+        pair[0] = fw_new
+        self._pair.setdefault(fw_new, pair)
+        pair[1].meta["val"] = fw_new.meta["val"]
+        self._commit()
+        return pair[1]
 
     def remove(self, fw_node: torch.fx.Node) -> None:
         """Stop saving ``fw_node``; its placeholder must have no users left."""
