@@ -3,8 +3,11 @@
     torchrun --nproc-per-node 4 benchmarks/masked_attention.py [--seq 4096] [--hp 1]
         [--heads 8] [--kv-heads 8] [--head-dim 64] [--iters 3]
 
-Three causal problems at the same S: dense (the Double-Ring), documents of
-mean length S/8 (random lengths, seeded) and a window of S/8 tokens.  Per
+Causal problems at the same S: dense (the Double-Ring), a window of S/8 tokens, and two
+mixes of documents of mean length S/8 and S/32 (random lengths, seeded), each in the
+contiguous order and in ``shard_batch(balance_documents=True)``'s (every document dealt
+head/tail over the CP ranks; the row's last documents dropped to leave the room its padding
+needs).  Per
 rank: attention FLOPs executed (forward + backward, ``14·B·H·D`` per computed
 (query, key) pair: the cropped blocks the kernel runs, or for the ring the
 causal-skipping blocks of ops/ring.py), P2P bytes sent (forward + backward,
@@ -29,7 +32,9 @@ from loong_compile.parallel.tokens import local_token_indices, mesh_token_indice
 from loong_compile.parallel.mesh import init_mesh
 from loong_compile.ops import attention_2d, comm_counters, reset_comm_counters
 from loong_compile.ops.kernels import accumulation_dtype
+from loong_compile.ops.documents import number_documents
 from loong_compile.ops.mask_plan import key_intervals, mask_plan
+from loong_compile.parallel.balance import balanced_order
 from loong_compile.ops.ring import block_plan
 
 from attention_2d import timed  # benchmarks/attention_2d.py: median of the slowest rank's times
@@ -45,6 +50,26 @@ def packed_documents(seq: int, mean: int, seed: int = 0) -> torch.Tensor:
         lengths.append(int(torch.randint(1, 2 * mean, (1,), generator=gen)))
     ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     return ids[:seq].unsqueeze(0)
+
+
+def balanced(ids: torch.Tensor, cp: int, hp: int) -> torch.Tensor:
+    """The ids of ``shard_batch(..., balance_documents=True)``'s order of these documents: the
+    row's last documents are dropped until every document padded to a multiple of ``2·cp``
+    fits (the data loader's room), then dealt head/tail (parallel/balance.py) and numbered from
+    the positions as ``sequence_document_ids`` numbers them."""
+    seq = ids.size(1)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    used = seq
+    while True:
+        first = torch.nonzero(starts[0, :used]).flatten().tolist()
+        sizes = [b - a for a, b in zip(first, first[1:] + [used])]
+        if sum(-(-n // (2 * cp)) * 2 * cp for n in sizes) <= seq:
+            break
+        used = first[-1]
+    real = (torch.arange(seq) < used).expand_as(ids)
+    order = balanced_order(starts & real, real, cp)
+    return number_documents(order.positions, None, hp, cp)
 
 
 def ring_pairs(seq: int, cp: int, cp_rank: int) -> int:
@@ -66,7 +91,7 @@ def masked_figures(ids: torch.Tensor, window: int | None, cp: int, cp_rank: int)
     plan = mask_plan(ids, True, window, cp)
     computed = sum((b.rows[1] - b.rows[0]) * (b.cols[1] - b.cols[0])
                    for b in plan.ranks[cp_rank].blocks) * ids.size(0)
-    lo, hi, _ = key_intervals(ids, True, window)
+    lo, hi, _ = key_intervals(ids, True, window, cp)
     rows = local_token_indices(ids.size(1), cp, 1, cp_rank, 0).numpy()
     allowed = int((hi[:, rows] - lo[:, rows] + 1).clip(min=0).sum())
     columns = sum(stop - start for ranges in plan.serves(cp_rank).values()
@@ -123,9 +148,14 @@ def main():
     elem = 4
     column_bytes = 2 * args.batch * kv_per_rank * args.head_dim  # K and V, per element size
     per_column = column_bytes * (2 * elem + accumulation_dtype(torch.float32).itemsize)
-    documents = packed_documents(args.seq, args.seq // 8).expand(args.batch, -1)
-    problems = {"dense causal": (None, None), "documents, mean S/8": (documents, None),
-                "window S/8": (None, args.seq // 8)}
+    problems = {"dense causal": (None, None), "window S/8": (None, args.seq // 8)}
+    mixes = {}
+    for mean in (8, 32):
+        documents = packed_documents(args.seq, args.seq // mean).expand(args.batch, -1)
+        mixes[mean] = int(documents[0].max()) + 1
+        problems[f"documents S/{mean}"] = (documents, None)
+        if cp > 1:
+            problems[f"documents S/{mean} balanced"] = (balanced(documents, cp, args.hp), None)
     rows = []
     for name, (ids, window) in problems.items():
         ms, sent = run(args, mesh, ids, window)
@@ -143,11 +173,12 @@ def main():
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
     if dist.get_rank() == 0:
-        docs = int(documents[0].max()) + 1
+        docs = "; ".join(f"S/{mean}: {n} documents (mean {args.seq / n:.0f} tokens)"
+                         for mean, n in mixes.items())
         print(f"world={world} hp={args.hp} cp={cp} gloo S={args.seq} B={args.batch} "
               f"H={args.heads} H_kv={args.kv_heads} D={args.head_dim} float32 causal; "
-              f"{docs} documents (mean {args.seq / docs:.0f} tokens); window {args.seq // 8}; "
-              f"median of {args.iters}")
+              f"{docs}; window {args.seq // 8}; median of {args.iters}; balanced: "
+              "shard_batch(balance_documents=True)'s order")
         print(f"{'problem':20s} {'rank':>4s} {'GFLOP':>8s} {'ideal':>8s} {'x':>5s} "
               f"{'MB sent':>8s} {'ideal':>8s} {'x':>5s} {'KV MB held':>10s} {'at once':>8s} "
               f"{'fwd+bwd ms':>10s}")

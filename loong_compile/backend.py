@@ -44,7 +44,7 @@ from loong_compile.checks import ranks as rank_check
 from loong_compile.config import LoongConfig
 from loong_compile.errors import LoongConfigError
 from loong_compile.passes import library_passes, library_source_digest
-from loong_compile.passes.attention.input_roles import POSITION_INPUTS
+from loong_compile.passes.attention.input_roles import BALANCED_EXACT, POSITION_INPUTS
 from loong_compile.passes.base import STAGES, GraphPass, PassContext, ScheduleRequest, SplitGraphs, check_contracts
 from loong_compile.report import Dumper, GraphReport, PassRecord, overlap
 
@@ -167,7 +167,8 @@ class _GraphCompile:
         self.gm.recompile()
         self._check_ranks_agree()
         compiled, summary = input_checks.checking_positions(
-            self._lower(example_inputs), self.gm, self.mesh, self.state.get(POSITION_INPUTS, {}))
+            self._lower(example_inputs), self.gm, self.mesh, self.state.get(POSITION_INPUTS, {}),
+            self.state.get(BALANCED_EXACT, False))
         if summary is not None:
             self.report.passes.append(PassRecord("input_checks", "dynamo", "dynamo", 0.0, summary))
             self._publish()

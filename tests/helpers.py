@@ -222,10 +222,15 @@ def loong_error_in(exc: BaseException | None):
     return None
 
 
-def allowed_pairs(document_ids: torch.Tensor, is_causal: bool, window: int | None) -> torch.Tensor:
-    """``(B, S, S)`` bool: query i may see key j (issue 13's rule, from first principles)."""
+def allowed_pairs(document_ids: torch.Tensor, is_causal: bool, window: int | None,
+                  positions: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B, S, S)`` bool: query i may see key j (issue 13's rule, from first principles);
+    ``positions`` ``(B, S)``: each token's position in its document, where it is not its
+    global position (documents in the balanced order)."""
     seq = document_ids.size(1)
     i, j = torch.arange(seq).unsqueeze(1), torch.arange(seq).unsqueeze(0)
+    if positions is not None:
+        i, j = positions.unsqueeze(2), positions.unsqueeze(1)
     allowed = (document_ids.unsqueeze(2) == document_ids.unsqueeze(1)) & \
         (document_ids.unsqueeze(2) >= 0)
     if is_causal:
@@ -235,13 +240,13 @@ def allowed_pairs(document_ids: torch.Tensor, is_causal: bool, window: int | Non
     return allowed
 
 
-def masked_reference(q, k, v, dout, document_ids, is_causal, window):
+def masked_reference(q, k, v, dout, document_ids, is_causal, window, positions=None):
     """One process, float64, the explicit mask: ``(out, lse, dq, dk, dv)``; a row that sees
-    nothing gives out 0, lse -inf and zero gradients."""
+    nothing gives out 0, lse -inf and zero gradients (``positions``: as ``allowed_pairs``)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     if document_ids is None:
         document_ids = torch.zeros(q.size(0), q.size(2), dtype=torch.long)
-    allowed = allowed_pairs(document_ids, is_causal, window).unsqueeze(1)
+    allowed = allowed_pairs(document_ids, is_causal, window, positions).unsqueeze(1)
     sees = allowed.any(-1)
     kv = [t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v)]
     scores = (q @ kv[0].transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(~allowed, -math.inf)

@@ -22,6 +22,12 @@ REFUSED_HABITS = {
     "labels": ("LoongTokenMixingError", ["pad", "labels", "shift_labels=", "num_items_in_batch"]),
     "no_position_ids": ("LoongTokenMixingError", ["arange", "position_ids=batch.position_ids"]),
     "no_shard_batch": ("LoongShapeError", ["position_ids", "shard_batch"]),
+    # a causal mask that reads no documents (a cache, or an attention mask, turns transformers'
+    # document detection off): the reordered tokens would mix
+    "packed_balanced": ("LoongShapeError", ["balance_documents", "reads its documents",
+                                            "without an attention_mask"]),
+    "packed_balanced_mask": ("LoongShapeError", ["balance_documents", "reads its documents",
+                                                 "without an attention_mask"]),
     "router_aux_loss": ("LoongTokenMixingError", ["load-balancing loss", "output_router_logits=False"]),
 }
 EAGER = ("LoongTokenMixingError", ["token x token", "attn_implementation='sdpa'"])

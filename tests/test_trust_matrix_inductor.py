@@ -28,6 +28,9 @@ graph most:
   with padding.
 - memory plan: Falcon (its own SDPA call, parallel block) and the forward alone under
   ``torch.no_grad()`` (an inference graph).
+- every policy: Mistral with packed documents in ``shard_batch(balance_documents=True)``'s
+  order and a window shorter than a rank's share (the tokens reordered, the window counted in
+  the document).
 
 A window, padding or packed documents make 2D-Attention's masked op, which the activation
 passes did not take for attention: sc++ and memo found no layer there and did nothing, with
@@ -63,6 +66,11 @@ POLICY_CASES = {
     "memo-alpha1": [Case("granite"), Case("qwen2", habit="padding")],
     "memory_plan": [Case("falcon"), Case("llama", habit="eval_no_grad")],
 }
+# documents in shard_batch's balanced order (issue 24) with a window shorter than a rank's share:
+# the mask compares positions in the document, under every policy
+BALANCED = Case("mistral", window=WINDOW_SHARD, habit="packed_balanced_use_cache_false")
+for cases in POLICY_CASES.values():
+    cases.append(BALANCED)
 # what the policy must have done in each case's graphs (run_cases' work_done)
 WORK = {
     "sc++": lambda done: done["recompute_tags"] > 0,

@@ -85,6 +85,12 @@ def all_cases() -> list[Case]:
     cases += [Case(arch, window=WINDOW_SHARD, habit="padding") for arch in ("qwen2", "mistral")]
     cases += [Case(arch, window=WINDOW_SHARD) for arch in ("exaone4", "cohere2")]
     cases += [Case("deepseek_v3", habit="packed_use_cache_false")]  # MLA in the masked exchange
+    # documents dealt head/tail over the CP ranks (shard_batch(balance_documents=True))
+    # (use_cache=False: transformers reads documents from the positions only without a cache)
+    cases += [Case(arch, habit="packed_balanced_use_cache_false")
+              for arch in ("llama", "qwen2", "gemma3")]
+    cases += [Case("mistral", window=WINDOW_SHARD, habit="packed_balanced_use_cache_false"),
+              Case("llama", habit="packed_balanced"), Case("llama", habit="packed_balanced_mask")]
     # DeepSeek-V3's transformers model computes no load-balancing loss: the others only
     cases += [Case(arch, habit=habit) for arch in MOE if arch != "deepseek_v3_moe"
               for habit in MOE_HABITS]
@@ -104,15 +110,29 @@ def token_ids(seed: int = 1) -> torch.Tensor:
 PACKED = ([5, 7, 12, 24], [20, 28])
 
 
-def packed_positions() -> torch.Tensor:
+# balance_documents needs room to pad each document to a multiple of 2*cp: the first row ends
+# in BALANCE_ROOM tokens of right padding (attention_mask 0, labels -100), which one process
+# sees as a document of its own after the others (no real token sees it)
+BALANCE_ROOM = 4
+BALANCED = ([5, 7, 12, 20, BALANCE_ROOM], [20, 28])
+
+
+def packed_positions(rows=PACKED) -> torch.Tensor:
     """Positions restarting at 0 per document (what one process is given)."""
-    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in PACKED])
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
 
 
-def packed_documents() -> torch.Tensor:
+def packed_documents(rows=PACKED) -> torch.Tensor:
     """The same documents as ids, for ``shard_batch(document_ids=...)``."""
     return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))
-                        for row in PACKED])
+                        for row in rows])
+
+
+def balance_room() -> torch.Tensor:
+    """``(B, S)`` bool: the tokens of the room balance_documents pads in."""
+    room = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+    room[0, SEQ - BALANCE_ROOM:] = True
+    return room
 
 
 def padding_mask() -> torch.Tensor:
@@ -189,6 +209,9 @@ def reference(case: Case, dtype: torch.dtype | None = None,
     kwargs = {"position_ids": torch.arange(SEQ).expand(BATCH, -1)}
     if case.habit.startswith("packed"):
         kwargs["position_ids"] = packed_positions()
+    if case.habit.startswith("packed_balanced"):
+        kwargs["position_ids"] = packed_positions(BALANCED)
+        labels = _shifted(ids.masked_fill(balance_room(), -100))
     if case.habit.endswith("use_cache_false"):
         kwargs["use_cache"] = False
     if case.habit.endswith("padding"):
@@ -262,9 +285,18 @@ def _distributed_step(case: Case, hp: int, cp: int, extra_options: dict | None =
     compiled = torch.compile(model, backend=lc.LoongBackend(options, on_report=reports.append))
     ids = token_ids()
     documents = packed_documents() if case.habit.startswith("packed") else None
-    batch = lc.shard_batch(ids, ids, mesh, document_ids=documents)
+    if case.habit.startswith("packed_balanced"):
+        batch = lc.shard_batch(ids, ids.masked_fill(balance_room(), -100), mesh,
+                               document_ids=packed_documents(BALANCED), balance_documents=True,
+                               attention_mask=(~balance_room()).long())
+    else:
+        batch = lc.shard_batch(ids, ids, mesh, document_ids=documents)
     labels, count = batch.labels, _label_count()
+    if case.habit.startswith("packed_balanced"):
+        count = int(batch.num_labels)
     kwargs = {"position_ids": batch.position_ids}
+    if case.habit == "packed_balanced_mask":  # a mask of padding alone: no documents read
+        kwargs["attention_mask"] = torch.ones_like(batch.input_ids)
     index = mesh_token_indices(SEQ, mesh)
     if case.habit.endswith("use_cache_false"):
         kwargs["use_cache"] = False

@@ -56,13 +56,20 @@ class Verdict(enum.IntEnum):
 
     OK = 0
     PACKED = 1    # counted from document starts at or before each token: packed documents
-    LOCAL = 2     # 0..S_local-1: a document starting at the rank's first token, or the rank's
+    BALANCED = 2  # 0 <= position <= global position otherwise: maybe shard_batch's balanced
+                  # document order, which sequence_document_ids verifies (refused unless the
+                  # graph's every attention is a causal mask of documents from the positions)
+    LOCAL = 3     # 0..S_local-1: a document starting at the rank's first token, or the rank's
                   # own tokens counted from 0 (refused when every rank holds 0..S_local-1)
-    OTHER = 3     # anything else that is not the layout's
-    LENGTH = 4    # S_local·hp·cp is no sequence length the layout can split
+    OTHER = 4     # anything else that is not the layout's
+    LENGTH = 5    # S_local·hp·cp is no sequence length the layout can split
 
 
 CAUSES = {
+    Verdict.BALANCED: "positions are not packed documents in the layout; if they are "
+                      "shard_batch(..., balance_documents=True)'s order, only a graph whose "
+                      "every attention is a causal mask of documents from the positions (and "
+                      "no key padding) computes them exactly, and this graph's is not",
     Verdict.LOCAL: "positions count this rank's own tokens from 0 (as on every rank of the "
                    "sequence)",
     Verdict.OTHER: "positions are not those of the tokens the layout gives the rank",
@@ -82,14 +89,17 @@ def graph_input_index(gm: torch.fx.GraphModule, name: str) -> int | None:
 
 
 def checking_positions(compiled: Callable, gm: torch.fx.GraphModule, mesh: Any,
-                       found: dict[int, str]) -> tuple[Callable, dict[str, Any] | None]:
+                       found: dict[int, str], balanced_exact: bool = False
+                       ) -> tuple[Callable, dict[str, Any] | None]:
     """``compiled``, checking its position ids before each call when ``gm`` takes them and
     ``mesh`` splits sequences over more than one rank; and the report's summary of that
     decision (None on one rank of a sequence, where positions are the user's own business).
 
     ``found``: the graph inputs the attention pass found to be positions by how they flow
     (index -> how); the input named ``position_ids`` is checked too (positions used only as
-    an index, by a learned position embedding, look like token ids to the flow)."""
+    an index, by a learned position embedding, look like token ids to the flow).
+    ``balanced_exact``: the graph computes documents in the balanced order exactly (the
+    attention pass's fact), so ``BALANCED`` positions are let through to be verified there."""
     if mesh is None or mesh.sp == 1:
         return compiled, None
     found = dict(found)
@@ -102,8 +112,9 @@ def checking_positions(compiled: Callable, gm: torch.fx.GraphModule, mesh: Any,
             "RoPE's angle or a mask's documents): nothing to check at run time (positions the "
             "model makes from the local length are refused by token_locality)")}
     sources = placeholder_sources(gm)
-    checks = [PositionCheck(mesh, index, None if index == named else sources[index])
-              for index in sorted(found)]
+    balanced_exact = balanced_exact and mesh.cp > 1
+    checks = [PositionCheck(mesh, index, None if index == named else sources[index],
+                            balanced_exact) for index in sorted(found)]
 
     def checked(*args: Any) -> Any:
         for check in checks:
@@ -114,17 +125,20 @@ def checking_positions(compiled: Callable, gm: torch.fx.GraphModule, mesh: Any,
         f"graph input {index} ({sources[index]}), found by {how}" for index, how in
         sorted(found.items())], "result": (
         f"compared with the layout of hp={mesh.hp}, cp={mesh.cp} before each call; the "
-        f"verdicts of the {mesh.sp} ranks of the sequence are all-reduced")}
+        f"verdicts of the {mesh.sp} ranks of the sequence are all-reduced; documents in the "
+        f"balanced order {'let through to sequence_document_ids' if balanced_exact else 'refused'}")}
 
 
 class PositionCheck:
     """Compares argument ``index`` (the position ids; ``source``: where the compiled function
     got them, when not as ``position_ids``) with the layout of ``mesh`` at each call."""
 
-    def __init__(self, mesh: Any, index: int, source: str | None = None):
+    def __init__(self, mesh: Any, index: int, source: str | None = None,
+                 balanced_exact: bool = False):
         self.mesh = mesh
         self.index = index
         self.source = source
+        self.balanced_exact = balanced_exact
         self.place = mesh.sp_ranks.index(mesh.rank)
         self._expected: dict[tuple, torch.Tensor] = {}
 
@@ -138,7 +152,8 @@ class PositionCheck:
         verdicts, holds_arange = found.tolist()
         verdicts = [Verdict(v) for v in verdicts]
         failing = {rank: v for rank, v, bad in zip(
-            self.mesh.sp_ranks, verdicts, refused(verdicts, [bool(f) for f in holds_arange]))
+            self.mesh.sp_ranks, verdicts,
+            refused(verdicts, [bool(f) for f in holds_arange], self.balanced_exact))
             if bad}
         if failing:
             raise _error(failing, self.mesh, positions.shape[-1] if positions.dim() else 0,
@@ -179,11 +194,13 @@ class PositionCheck:
         return self._expected[key]
 
 
-def refused(verdicts: Sequence[Verdict], holds_arange: Sequence[bool]) -> list[bool]:
+def refused(verdicts: Sequence[Verdict], holds_arange: Sequence[bool],
+            balanced_exact: bool = False) -> list[bool]:
     """Which ranks of a sequence to refuse, from every rank's verdict and whether it holds
     exactly ``0..S_local-1`` (the rule of the module's docstring)."""
     counted_per_rank = all(holds_arange)
-    return [v >= Verdict.OTHER or (v is Verdict.LOCAL and counted_per_rank) for v in verdicts]
+    return [v >= Verdict.OTHER or (v is Verdict.LOCAL and counted_per_rank)
+            or (v is Verdict.BALANCED and not balanced_exact) for v in verdicts]
 
 
 def classify(positions: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
@@ -196,11 +213,13 @@ def classify(positions: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     neighbours = expected[1:] == expected[:-1] + 1
     steps_ok = ((positions[..., 1:] == positions[..., :-1] + 1) | (positions[..., 1:] == 0)
                 | ~neighbours)
-    packed = ((positions >= 0) & (positions <= expected)).all() & steps_ok.all()
+    counted = ((positions >= 0) & (positions <= expected)).all()
+    packed = counted & steps_ok.all()
     verdict = torch.where((positions == expected).all(), int(Verdict.OK),
                           torch.where(local, int(Verdict.LOCAL),
                                       torch.where(packed, int(Verdict.PACKED),
-                                                  int(Verdict.OTHER))))
+                                                  torch.where(counted, int(Verdict.BALANCED),
+                                                              int(Verdict.OTHER)))))
     return torch.stack([verdict, local.long()])
 
 
@@ -230,6 +249,13 @@ def _error(failing: dict[int, Verdict], mesh: Any, local_len: int, detail: str,
     shard = ("cut each full (B, S) batch with loong_compile.shard_batch(input_ids, labels, mesh) "
              f"for mesh = init_mesh(hp={mesh.hp}, cp={mesh.cp}, placement={mesh.placement!r}) "
              "and pass position_ids=batch.position_ids")
+    if worst is Verdict.BALANCED:
+        return LoongShapeError(
+            what, "documents in shard_batch's balanced order are exact only where every "
+            "attention call is causal and reads its documents from the position ids: any other "
+            "mask would mix the reordered tokens", "call the model without an attention_mask "
+            "(transformers then finds the packed documents in position_ids), or cut the batch "
+            "without balance_documents")
     if worst is Verdict.LENGTH:
         return LoongShapeError(
             what, "position_ids holds S_local tokens of a sequence of S_local*hp*cp, which the "

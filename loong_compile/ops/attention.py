@@ -47,7 +47,9 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: flo
     integer ids of the GLOBAL sequence in global order, the same on every rank
     (``sequence_document_ids`` builds them): query ``i`` sees key ``j`` only if
     ``document_ids[b, i] == document_ids[b, j] >= 0`` (negative = padding, which
-    sees and is seen by nothing).  ``window``: with ``is_causal``, key ``j`` is
+    sees and is seen by nothing; ids from ``ops.mask_plan.CHUNK_MAJOR`` up: a document in
+    ``shard_batch(balance_documents=True)``'s order, where causality and the window count
+    the document's own tokens, ops/mask_plan.py).  ``window``: with ``is_causal``, key ``j`` is
     seen only if ``i - j < window`` (transformers' sliding window).  A row that
     sees no key returns zeros (LSE ``-inf``).  With either given, the CP step is
     the masked direct exchange of ops/masked.py instead of the Double-Ring.  Its plan is

@@ -4,7 +4,8 @@
 key-padding mask) of the SP group with one small all-gather of integers, puts
 them in global token order with the layout of ``loong_compile.parallel.tokens`` and
 numbers the documents: a new one starts wherever ``position[t] !=
-position[t-1] + 1`` (transformers' ``find_packed_sequence_indices`` rule);
+position[t-1] + 1`` (transformers' ``find_packed_sequence_indices`` rule), unless the row is in
+the balanced order of ``shard_batch(..., balance_documents=True)`` (``number_documents``);
 padded tokens get ``-1``.  The result, identical on every rank, is what
 ``attention_2d(..., document_ids=)`` takes.
 """
@@ -20,6 +21,7 @@ from torch import Tensor
 from loong_compile.parallel.tokens import local_token_indices
 from loong_compile.errors import LoongShapeError
 from loong_compile.ops.comm import group
+from loong_compile.ops.mask_plan import CHUNK_MAJOR, UNREADABLE
 
 
 def sequence_document_ids(position_ids: Tensor, key_padding: Tensor | None = None, *, hp: int,
@@ -60,10 +62,66 @@ def document_ids_op(position_ids: Tensor, key_padding: Optional[Tensor], hp: int
         payload = torch.cat(parts, dim=1)
     full = torch.empty(2 * batch, seq, dtype=torch.int64, device=position_ids.device)
     full[:, payload[-1]] = payload[:-1]
-    positions, real = full[:batch], full[batch:] != 0
-    starts = torch.ones_like(real)
+    real = None if key_padding is None else full[batch:] != 0
+    return number_documents(full[:batch], real, hp, cp)
+
+
+def number_documents(positions: Tensor, real: Tensor | None, hp: int, cp: int) -> Tensor:
+    """``(B, S)`` document ids from the positions of the whole sequence in global order.
+
+    A row is read in the balanced order of ``shard_batch(..., balance_documents=True)`` when
+    it fits it and holds two documents or more: the first layout chunk holds a share of every
+    document, each starting at position 0, and chunk ``k`` holds positions ``k·c ... (k+1)·c-1``
+    of a document of ``c`` tokens per chunk at the same offsets as the first.  Its ids are then
+    numbered from ``CHUNK_MAJOR`` (ops/mask_plan.py).  Any other row is read as contiguous
+    documents, a new one wherever the position is not the previous one's plus one, and so is
+    every row when key padding is given (``real``: True for a real token); padding gets -1.
+    Without key padding, a row that fits neither reading (not shard_batch's positions) gets
+    ``UNREADABLE`` throughout, which the step's mask refuses by name.
+    """
+    ids = _starts(positions).cumsum(1) - 1
+    if cp > 1 and real is None:
+        balanced, fits = _balanced_ids(positions, 2 * cp)
+        # one document in the first chunk: both readings are one document, keep the plain one
+        fits &= balanced.amax(1) > 0
+        ids = torch.where(fits.unsqueeze(1), balanced + CHUNK_MAJOR, ids)
+        # neither reading: the plan refuses the row (ops/step_mask.py), on the host, no sync here
+        ids = ids.masked_fill((~fits & ~_packed(positions, hp, cp)).unsqueeze(1), UNREADABLE)
+    return ids if real is None else ids.masked_fill(~real, -1)
+
+
+def _packed(positions: Tensor, hp: int, cp: int) -> Tensor:
+    """Per row, whether the positions are packed documents as ``checks/inputs.py`` accepts them
+    on each rank: ``0 <= position <= global position``, and between tokens that are neighbours
+    on one rank, one more than the previous or 0."""
+    seq = positions.size(1)
+    index = torch.arange(seq, device=positions.device)
+    same_rank = ((index[1:] % (seq // (2 * cp)) != 0) & (index[1:] % (seq // (hp * cp)) != 0))
+    steps = (positions[:, 1:] == positions[:, :-1] + 1) | (positions[:, 1:] == 0) | ~same_rank
+    return ((positions >= 0) & (positions <= index)).all(1) & steps.all(1)
+
+
+def _starts(positions: Tensor) -> Tensor:
+    starts = torch.ones_like(positions, dtype=torch.bool)
     starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    return (starts.cumsum(1) - 1).masked_fill(~real, -1)
+    return starts
+
+
+def _balanced_ids(positions: Tensor, chunks: int) -> tuple[Tensor, Tensor]:
+    """The ids of each row read in the balanced order, and whether the row fits it."""
+    batch, seq = positions.shape
+    chunk = seq // chunks
+    first = positions[:, :chunk]
+    starts = _starts(first)
+    ids = starts.cumsum(1) - 1
+    offset = torch.arange(chunk, device=positions.device).expand(batch, chunk)
+    run_start = torch.where(starts, offset, torch.zeros_like(offset)).cummax(1).values
+    per_chunk = torch.zeros_like(first).scatter_add_(1, ids, torch.ones_like(first))
+    length = per_chunk.gather(1, ids)
+    k = torch.arange(chunks, device=positions.device).repeat_interleave(chunk)
+    expected = k * length.repeat(1, chunks) + (offset - run_start).repeat(1, chunks)
+    fits = (positions == expected).all(1) & ((first == 0) | ~starts).all(1)
+    return ids.repeat(1, chunks), fits
 
 
 @document_ids_op.register_fake

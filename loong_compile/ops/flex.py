@@ -41,17 +41,21 @@ def uses_flex(like: Tensor) -> bool:
 
 
 def block_mask(q_positions: Tensor, k_positions: Tensor, document_ids: Tensor | None,
-               is_causal: bool, window: int | None) -> BlockMask:
+               is_causal: bool, window: int | None,
+               mask_positions: Tensor | None = None) -> BlockMask:
     """The ``BlockMask`` of the block whose query rows hold global positions ``q_positions`` and
     whose key columns hold ``k_positions`` (device tensors; ``document_ids`` ``(B, S)`` or None
-    for one document)."""
+    for one document; ``mask_positions`` ``(B, S)``: the rule's positions of balanced
+    documents, ops/mask_plan.py, None where they are the global ones)."""
 
     def mask_mod(b, h, q_index, k_index):
         q_pos, k_pos = q_positions[q_index], k_positions[k_index]
         if document_ids is None:
             return allowed(q_pos, k_pos, None, None, is_causal, window)
-        return allowed(q_pos, k_pos, document_ids[b, q_pos], document_ids[b, k_pos], is_causal,
-                       window)
+        q_doc, k_doc = document_ids[b, q_pos], document_ids[b, k_pos]
+        if mask_positions is not None:
+            q_pos, k_pos = mask_positions[b, q_pos], mask_positions[b, k_pos]
+        return allowed(q_pos, k_pos, q_doc, k_doc, is_causal, window)
 
     batch = None if document_ids is None else document_ids.size(0)
     return create_block_mask_fused(mask_mod, batch, q_positions.numel(), k_positions.numel(),

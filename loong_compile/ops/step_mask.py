@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
@@ -27,7 +28,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from loong_compile.ops.comm import group
 from loong_compile.ops.flex import BlockMask, uses_flex
 from loong_compile.ops.flex import block_mask as flex_block_mask
-from loong_compile.ops.mask_plan import Block, MaskPlan, allowed, mask_plan
+from loong_compile.errors import LoongShapeError
+from loong_compile.ops.mask_plan import (UNREADABLE, Block, MaskPlan, allowed,
+                                         host_document_ids, mask_plan, mask_positions)
 from loong_compile.parallel.tokens import local_token_indices
 
 
@@ -41,7 +44,20 @@ class StepMask:
         self.rank = group(group_name).rank() if cp > 1 else 0
         self.document_ids = None if document_ids is None else document_ids.to(torch.int64)
         self.is_causal, self.window = is_causal, window
-        self.plan: MaskPlan = mask_plan(document_ids, is_causal, window, cp, seq_len=seq_len)
+        host_ids = None if document_ids is None else host_document_ids(document_ids)
+        if host_ids is not None and (host_ids == UNREADABLE).any():
+            rows = sorted({int(r) for r in np.flatnonzero((host_ids == UNREADABLE).any(1))})
+            raise LoongShapeError(
+                f"position ids of batch rows {rows} that are neither packed documents nor "
+                "documents in the balanced order", "each position counts from its document's "
+                "start, with the documents contiguous (transformers' packed convention) or in "
+                "shard_batch(..., balance_documents=True)'s order",
+                "cut the batch with loong_compile.shard_batch and pass its position_ids")
+        self.plan: MaskPlan = mask_plan(host_ids, is_causal, window, cp, seq_len=seq_len)
+        # the rule's positions where they are not the global ones (balanced documents)
+        found = None if host_ids is None else mask_positions(host_ids)
+        self.mask_positions = None if found is None else \
+            torch.from_numpy(found).to(document_ids.device)
         self.mine = self.plan.ranks[self.rank]
         self._positions = [local_token_indices(seq_len, cp, 1, r, 0) for r in range(cp)]
         self._on_device: dict[torch.device, list[Tensor]] = {}
@@ -63,12 +79,15 @@ class StepMask:
         if uses_flex(like):
             if block not in self._flex_masks:
                 self._flex_masks[block] = flex_block_mask(q_pos, k_pos, self.document_ids,
-                                                          self.is_causal, self.window)
+                                                          self.is_causal, self.window,
+                                                          self.mask_positions)
             return self._flex_masks[block]
         q_doc = k_doc = None
         if self.document_ids is not None:
             q_doc = self.document_ids[:, q_pos].unsqueeze(-1)
             k_doc = self.document_ids[:, k_pos].unsqueeze(-2)
+        if self.mask_positions is not None:
+            q_pos, k_pos = self.mask_positions[:, q_pos], self.mask_positions[:, k_pos]
         mask = allowed(q_pos.unsqueeze(-1), k_pos.unsqueeze(-2), q_doc, k_doc, self.is_causal,
                        self.window)
         if mask.dim() == 2:  # one document: the same for every batch row

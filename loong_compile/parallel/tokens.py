@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from loong_compile.errors import LoongShapeError
+from loong_compile.parallel.balance import balanced_order, restore, take
 from loong_compile.parallel.rules import sequence_divisor, sequence_violation  # noqa: F401 (re-exported)
 
 IGNORE_INDEX = -100
@@ -75,18 +76,22 @@ class ShardedBatch(NamedTuple):
     """This rank's tokens: ``(B, S/sp)`` input ids, position ids, shifted labels and, when one
     was given, the key-padding ``attention_mask``; ``num_labels``: how many of the whole
     batch's shifted labels are not ``-100`` (a 0-dim int64 tensor, the same on every rank of
-    the sequence: what a rank's summed loss is divided by, ``loong_compile.next_token_loss``)."""
+    the sequence: what a rank's summed loss is divided by, ``loong_compile.next_token_loss``).
+    ``token_order``: with ``balance_documents``, the ``(B, S)`` original index of each token of
+    the reordered rows (-1: a pad), which ``gather_sequence`` takes to undo the order."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     labels: torch.Tensor | None
     attention_mask: torch.Tensor | None = None
     num_labels: torch.Tensor | None = None
+    token_order: torch.Tensor | None = None
 
 
 def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, mesh, *,
                 document_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> ShardedBatch:
+                attention_mask: torch.Tensor | None = None, balance_documents: bool = False,
+                pad_token_id: int = 0) -> ShardedBatch:
     """Select this rank's tokens of a full ``(B, S)`` batch (identical on all ranks of an SP group).
 
     ``labels`` (e.g. a copy of ``input_ids``) are shifted on the full sequence
@@ -107,6 +112,12 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, mesh, *,
     Labels are shifted as without documents: put ``-100`` where documents meet
     (as ``DataCollatorWithFlattening`` does) to not predict across them.
     ``attention_mask``: ``(B, S)``, nonzero = real token, sharded like the input ids.
+
+    ``balance_documents`` (with documents and ``cp > 1``): deal every document head/tail over
+    the CP ranks (``parallel/balance.py``), padding each to a multiple of ``2·cp`` tokens of
+    ``pad_token_id`` in the room the right padding of ``attention_mask`` leaves; no
+    attention mask is returned (every token then belongs to a document), and the model must
+    be causal with its documents read from the position ids (the backend refuses other masks).
     """
     if input_ids.dim() != 2:
         raise LoongShapeError(f"input_ids of shape {tuple(input_ids.shape)}",
@@ -118,6 +129,8 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, mesh, *,
     batch, seq_len = input_ids.shape
     index = mesh_token_indices(seq_len, mesh).to(input_ids.device)
     starts = document_starts(input_ids, document_ids, cu_seqlens)
+    if balance_documents and starts is not None and mesh.cp > 1:
+        return _balanced(input_ids, labels, starts, attention_mask, index, mesh.cp, pad_token_id)
     if starts is None:
         # a new tensor, never a view of ``index`` (at an offset that differs by rank: Dynamo
         # would then specialise on it, and the ranks would compile different graphs)
@@ -126,11 +139,28 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, mesh, *,
         position_ids = packed_positions(starts)[:, index]
     shifted = num_labels = None
     if labels is not None:
-        pad = labels.new_full((batch, 1), IGNORE_INDEX)
-        full = torch.cat([labels[:, 1:], pad], dim=1)
+        full = _shifted(labels)
         shifted, num_labels = full[:, index], (full != IGNORE_INDEX).sum()
     mask = None if attention_mask is None else attention_mask[:, index]
     return ShardedBatch(input_ids[:, index], position_ids, shifted, mask, num_labels)
+
+
+def _balanced(input_ids: torch.Tensor, labels: torch.Tensor | None, starts: torch.Tensor,
+              attention_mask: torch.Tensor | None, index: torch.Tensor, cp: int,
+              pad_token_id: int) -> ShardedBatch:
+    order = balanced_order(starts, attention_mask, cp)
+    positions = order.positions.to(input_ids.device)
+    shifted = num_labels = None
+    if labels is not None:  # the room's tokens are dropped, and their labels with them
+        full = take(_shifted(labels), order, IGNORE_INDEX)
+        shifted, num_labels = full[:, index], (full != IGNORE_INDEX).sum()
+    return ShardedBatch(take(input_ids, order, pad_token_id)[:, index], positions[:, index],
+                        shifted, None, num_labels, order.source.to(input_ids.device))
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    """Label ``t`` is the token at ``t+1``; ``-100`` at the last."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.size(0), 1), IGNORE_INDEX)], dim=1)
 
 
 def _check_same_shape(name: str, tensor: torch.Tensor | None, input_ids: torch.Tensor,
@@ -184,11 +214,16 @@ def packed_positions(starts: torch.Tensor) -> torch.Tensor:
     return pos - last_start
 
 
-def gather_sequence(x: torch.Tensor, mesh, dim: int = 1) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, mesh, dim: int = 1,
+                    token_order: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of ``shard_batch`` along ``dim``: the full sequence, on every rank of the SP group.
 
-    Eager only (no autograd): for inspecting outputs and tests.
+    ``token_order``: the batch's ``ShardedBatch.token_order`` (``balance_documents``; ``dim``
+    is then 1, after the batch): the result is in the original order, 0 where the original
+    row was padding.  Eager only (no autograd): for inspecting outputs and tests.
     """
+    if token_order is not None:
+        return restore(gather_sequence(x, mesh, dim), token_order.to(x.device))
     if mesh.sp == 1:
         return x
     from loong_compile._compat.distributed import resolve_process_group

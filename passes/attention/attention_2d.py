@@ -86,7 +86,7 @@ ATTENTION_SITES = "attention_sites"
 class Attention2DPass(Pass):
     name = "attention_2d"
     stage = "dynamo"
-    provides = (ATTENTION_SITES, input_roles.POSITION_INPUTS)
+    provides = (ATTENTION_SITES, input_roles.POSITION_INPUTS, input_roles.BALANCED_EXACT)
 
     def enabled(self, config) -> bool:
         return config.sp > 1
@@ -116,11 +116,20 @@ class Attention2DPass(Pass):
                                    "model": type(root).__name__ if root is not None else None,
                                    "document_ids": documents.summary(),
                                    "mask_operands_dropped": dropped,
-                                   "inputs": input_roles.roles_found(gm, prover, ctx.state)}
+                                   "inputs": input_roles.roles_found(gm, prover, ctx.state),
+                                   "balanced_documents_exact": balanced_exact(rewritten)}
+        ctx.state[input_roles.BALANCED_EXACT] = summary["balanced_documents_exact"]
         rope = _check_rope(root, rewritten, ctx)
         if rope:
             summary["rope"] = rope
         return summary
+
+
+def balanced_exact(rewritten: list[dict]) -> bool:
+    """Whether every call's mask reads the document order from the positions alone, causally:
+    then documents in shard_batch's balanced order are computed exactly (their ids and
+    in-document positions come from those positions, ops/documents.py)."""
+    return all(call["is_causal"] and call["documents_alone"] for call in rewritten)
 
 
 def _check_rope(root, rewritten: list[dict], ctx: PassContext) -> dict | None:
@@ -220,6 +229,7 @@ def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn
             "proven": meaning.describe(), "probes": list(meaning.probes),
             "built": _mask_cause(args["attn_mask"])},
         "document_ids": None if document_ids is None else document_ids.name,
+        "documents_alone": meaning is not None and meaning.documents and not meaning.padding,
         "scale": kwargs["scale"] if scale is not None else 1 / math.sqrt(_head_dim(q)),
         "scale_specialised": scale_specialised,
         "autocast_dtype": None if cast_to is None else str(cast_to).removeprefix("torch."),

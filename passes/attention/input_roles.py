@@ -42,6 +42,9 @@ from loong_compile.passes.subgraphs import Scope
 
 # The fact the attention pass provides: {graph input index: how it was found to be positions}.
 POSITION_INPUTS = "position_inputs"
+# and whether the graph computes documents in the balanced order exactly (checks/inputs.py):
+# every attention call causal, its mask documents from the positions without key padding
+BALANCED_EXACT = "balanced_documents_exact"
 ROPE, DOCUMENTS, KEY_PADDING = "RoPE's angle", "the masks' documents", "the masks' key padding"
 ROLE_NAMES = {POSITIONS: "position_ids", PADDING: "the 2-D attention_mask"}
 

@@ -283,3 +283,9 @@ def test_verdicts_on_positions():
     assert refused([ok, local, local], [True, True, True]) == [False, True, True]
     assert refused([packed, other], [False, False]) == [False, True]
     assert describe(torch.arange(0, 20, 2), most=2) == "0, 2, ..."
+    # within the global positions but not packed: perhaps the balanced order, let through only
+    # to a graph that computes it exactly (sequence_document_ids verifies the rows there)
+    assert verdict([[4, 5, 2, 7]]) == (Verdict.BALANCED, False)
+    balanced = Verdict.BALANCED
+    assert refused([packed, balanced], [False, False]) == [False, True]
+    assert refused([packed, balanced], [False, False], balanced_exact=True) == [False, False]

@@ -18,6 +18,8 @@ from torch.nn.attention.flex_attention import create_mask
 
 from helpers import masked_reference, masked_relative_error
 from loong_compile.ops import attention_2d, flex, kernels, masked_attention_plan, step_mask
+from loong_compile.ops.documents import number_documents
+from loong_compile.parallel.balance import balanced_order
 
 pytestmark = pytest.mark.compat  # flex_attention's API moves between torch versions
 
@@ -30,6 +32,21 @@ CASES = {  # name: (document ids (B, S), is_causal, window)
     "documents and window": (torch.tensor([[0] * 24 + [1] * 40] * 2), True, 9),
     "documents, not causal": (torch.tensor([[0] * 24 + [1] * 40, [0] * 7 + [1] * 57]), False, None),
 }
+
+
+def _balanced(cp: int = 2):
+    """Documents of 9, 20 and 27 tokens (and 8 of room) in shard_batch's balanced order for
+    cp = 2: their ids as sequence_document_ids reads them, and their positions."""
+    starts = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+    starts[:, [0, 9, 29]] = True
+    real = (torch.arange(SEQ) < 56).expand(BATCH, SEQ)
+    order = balanced_order(starts & real, real, cp)
+    return number_documents(order.positions, None, 1, cp), order.positions
+
+
+BALANCED_IDS, BALANCED_POSITIONS = _balanced()
+CASES["balanced documents and window"] = (BALANCED_IDS, True, 7)
+POSITIONS = {"balanced documents and window": BALANCED_POSITIONS}
 
 
 @pytest.fixture
@@ -73,7 +90,8 @@ def test_flex_forward_with_the_plans_block_masks_equals_the_reference(flex_on_cp
     for _ in range(2):  # two layers of one step: the block masks are made once
         out, lse = attention_2d(q, k, v, is_causal=is_causal, document_ids=ids, window=window,
                                 mask_plan=handle, return_lse=True)
-    want_out, want_lse, *_ = masked_reference(q, k, v, dout, ids, is_causal, window)
+    want_out, want_lse, *_ = masked_reference(q, k, v, dout, ids, is_causal, window,
+                                              POSITIONS.get(case))
     assert masked_relative_error(out, want_out) < 1e-12
     assert masked_relative_error(lse, want_lse) < 1e-12
     mask = step_mask._STEP_MASKS[handle]
@@ -92,7 +110,8 @@ def test_flex_backward_through_the_merge_equals_the_reference(flex_on_cpu, monke
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = attention_2d(*leaves, is_causal=is_causal, document_ids=ids, window=window)
     grads = torch.autograd.grad(out, leaves, dout)
-    want_out, _, *want_grads = masked_reference(q, k, v, dout, ids, is_causal, window)
+    want_out, _, *want_grads = masked_reference(q, k, v, dout, ids, is_causal, window,
+                                                POSITIONS.get(case))
     assert masked_relative_error(out, want_out) < 1e-12
     for name, got, want in zip("qkv", grads, want_grads):
         assert masked_relative_error(got, want) < 1e-10, name

@@ -1,7 +1,8 @@
 """Masked attention reads device data on the host once per step, not once per layer.
 
 One compiled training step of transformers' Llama at hp=2 x cp=2 with packed documents
-(positions restarting per document, ``use_cache=False``), 4 gloo ranks: every call of a
+(positions restarting per document, ``use_cache=False``; in the zigzag's order and in
+``shard_batch(balance_documents=True)``'s), 4 gloo ranks: every call of a
 Tensor method that copies device data to the host (``item``, ``tolist``, ``cpu``, ``numpy``,
 ``__bool__``, ``__int__``, ``__float__``, ``__index__``) during one forward + backward after
 warm-up is counted, on CUDA each is a device-to-host synchronisation.  The mask plan is made
@@ -49,15 +50,27 @@ def counting_host_reads():
             setattr(torch.Tensor, name, original)
 
 
-def _step_reads(layers: int, lowering: str) -> dict[str, int]:
+# per order: the documents, and the right padding shard_batch(balance_documents=True) pads in
+DOCUMENTS = {
+    "contiguous": (torch.tensor([[0] * 20 + [1] * 30 + [2] * 14, [0] * 40 + [1] * 24]), 0),
+    "balanced": (torch.tensor([[0] * 20 + [1] * 30 + [2] * 14, [0] * 40 + [1] * 24]), 8),
+}
+
+
+def _step_reads(layers: int, lowering: str, order: str = "contiguous") -> dict[str, int]:
     from loong_compile import LoongBackend, init_mesh, shard_batch
 
     mesh = init_mesh(hp=2, cp=2)
     model = tiny_llama(hf=True, layers=layers, max_positions=SEQ)
     model.config.use_cache = False
     ids = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    documents = torch.tensor([[0] * 20 + [1] * 30 + [2] * 14, [0] * 40 + [1] * 24])
-    batch = shard_batch(ids, ids, mesh, document_ids=documents)
+    documents, room = DOCUMENTS[order]
+    if room:
+        real = (torch.arange(SEQ) < SEQ - room).long().expand(2, SEQ)
+        batch = shard_batch(ids, ids.masked_fill(real == 0, -100), mesh, document_ids=documents,
+                            attention_mask=real, balance_documents=True)
+    else:
+        batch = shard_batch(ids, ids, mesh, document_ids=documents)
     compiled = torch.compile(model, backend=LoongBackend({"hp": 2, "cp": 2, "lowering": lowering}),
                              fullgraph=True)
 
@@ -79,19 +92,22 @@ def _step_reads(layers: int, lowering: str) -> dict[str, int]:
 
 def _ranks(rank: int, world: int, lowering: str) -> dict:
     sections = Sections()
-    for layers in (2, 4):
-        sections.run(layers, _step_reads, layers, lowering)
+    for order in DOCUMENTS:
+        for layers in (2, 4):
+            sections.run((order, layers), _step_reads, layers, lowering, order)
     return sections.results
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("lowering", ["inductor"])
 def test_host_reads_per_step_do_not_grow_with_depth(lowering):
-    per_rank = run_distributed(_ranks, 4, lowering, timeout=540)
-    for layers in (2, 4):
-        section_results(per_rank, layers)
-    for rank, result in enumerate(per_rank):
-        two, four = sum(result[2].values()), sum(result[4].values())
-        assert four == two, f"rank {rank}: {result[2]} with 2 layers, {result[4]} with 4"
-        assert two <= MOST_PER_STEP, f"rank {rank}: {result[2]} host reads in one step"
+    per_rank = run_distributed(_ranks, 4, lowering, timeout=840)
+    for order in DOCUMENTS:  # shard_batch's plain zigzag, and its balanced document order
+        for layers in (2, 4):
+            section_results(per_rank, (order, layers))
+        for rank, result in enumerate(per_rank):
+            two, four = (sum(result[order, n].values()) for n in (2, 4))
+            assert four == two, f"rank {rank}, {order}: {result[order, 2]} with 2 layers, " \
+                                f"{result[order, 4]} with 4"
+            assert two <= MOST_PER_STEP, f"rank {rank}, {order}: {result[order, 2]} host reads"

@@ -14,7 +14,9 @@ from loong_compile.errors import LoongShapeError
 from loong_compile.ops import attention_2d, sequence_document_ids
 from loong_compile.ops.kernels import _math_backward, _math_forward, attention_backward, \
     attention_forward
-from loong_compile.ops.mask_plan import TILES_PER_CHUNK, mask_plan, tile_edges
+from loong_compile.ops.documents import number_documents
+from loong_compile.ops.mask_plan import CHUNK_MAJOR, TILES_PER_CHUNK, mask_plan, tile_edges
+from loong_compile.parallel.balance import balanced_order
 
 
 def random_documents(gen: torch.Generator, batch: int, seq: int, pad_start: int,
@@ -47,11 +49,39 @@ def test_plan_computes_exactly_the_blocks_with_allowed_pairs(cp, seq, is_causal,
     exactly the columns its blocks read."""
     gen = torch.Generator().manual_seed(seed)
     ids = random_documents(gen, 2, seq, pad_start, pad_end)
-    allowed_each = allowed_pairs(ids, is_causal, window)
+    check_plan(ids, allowed_pairs(ids, is_causal, window), is_causal, window, cp)
+
+
+BALANCED_CASES = [  # (cp, seq, window, seed): causal, documents in the balanced order
+    (2, 48, None, 0), (2, 64, 5, 1), (4, 96, None, 2), (4, 96, 9, 3), (8, 256, None, 4),
+    (8, 256, 20, 5),
+]
+
+
+@pytest.mark.parametrize("cp,seq,window,seed", BALANCED_CASES)
+def test_plan_of_balanced_documents_computes_exactly_the_blocks_with_allowed_pairs(
+        cp, seq, window, seed):
+    """The same brute force for rows in shard_batch's balanced order, their ids as
+    sequence_document_ids numbers them from the positions: the rule compares positions in the
+    document, which balance.py gives independently of the plan."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = random_documents(gen, 2, seq, 0, 0).diff(dim=1, prepend=torch.full((2, 1), -1)) != 0
+    used = seq - 2 * cp * 8  # room for up to 8 documents' pads
+    real = (torch.arange(seq) < used).expand(2, seq)
+    order = balanced_order(starts & real, real, cp)
+    ids = number_documents(order.positions, None, 1, cp)
+    assert (ids >= CHUNK_MAJOR).all(1).any(), "no row in the balanced order: nothing tested"
+    check_plan(ids, allowed_pairs(ids, True, window, order.positions), True, window, cp)
+
+
+def check_plan(ids, allowed_each, is_causal, window, cp):
+    seq = ids.size(1)
     allowed = allowed_each.any(0)  # the batch union
     plan = mask_plan(ids, is_causal, window, cp, TILES_PER_CHUNK)
     positions = [local_token_indices(seq, cp, 1, r, 0) for r in range(cp)]
-    edges = tile_edges(seq, cp, TILES_PER_CHUNK)
+    edges = list(plan.edges)
+    if not (ids >= CHUNK_MAJOR).any():
+        assert edges == tile_edges(seq, cp, TILES_PER_CHUNK)
     tile_of = torch.bucketize(torch.arange(seq), torch.tensor(edges), right=True) - 1
     covered = torch.zeros(seq, seq, dtype=torch.long)
     blocks_per_tile_pair = torch.zeros(len(edges) - 1, len(edges) - 1, dtype=torch.long)
