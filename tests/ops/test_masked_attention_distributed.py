@@ -4,7 +4,8 @@ Against one process on the full sequence in float64 with the same boolean
 mask: out, lse, dq, dk, dv of every rank's rows, for every (hp, cp), both
 placements and w in {1, 2} where cp allows, MHA and GQA.  Each rank also
 checks ``sequence_document_ids`` (from ``shard_batch``'s packed position ids
-and padding mask) and that the bytes it sent are what the plan says.  Each
+and padding mask, and from its balanced document order) and that the bytes it sent are what
+the plan says.  Each
 world size runs in ONE spawn.
 """
 
@@ -14,11 +15,11 @@ import pytest
 import torch
 
 from helpers import Sections, masked_reference, masked_relative_error, section_results
-from loong_compile.parallel.tokens import mesh_token_indices, shard_batch
+from loong_compile.parallel.tokens import gather_sequence, mesh_token_indices, shard_batch
 from loong_compile.parallel.mesh import init_mesh
 from loong_compile.ops import (attention_2d, comm_counters, reset_comm_counters,
                                sequence_document_ids)
-from loong_compile.ops.mask_plan import mask_plan
+from loong_compile.ops.mask_plan import CHUNK_MAJOR, mask_plan
 from loong_compile.testing import run_distributed
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
@@ -134,6 +135,45 @@ def _document_ids_check(hp, cp, placement):
     return torch.equal(got, want), got.tolist()
 
 
+# balance_documents: documents, then right padding as the room for their pads (-1: padding)
+BALANCED_DOCS = documents([(20, 0), (6, 1), (40, 2), (30, -1)], [(11, 0), (37, 1), (30, 2), (18, -1)])
+
+
+def _balanced_check(hp, cp, placement):
+    """shard_batch(balance_documents=True) on every rank -> sequence_document_ids reads one id
+    per original document, gather_sequence undoes the order, and attention with a window on
+    those ids equals one process with the same positions in the document."""
+    mesh = init_mesh(hp=hp, cp=cp, placement=placement)
+    real = BALANCED_DOCS >= 0
+    tokens = torch.arange(BATCH * SEQ).view(BATCH, SEQ)
+    batch = shard_batch(tokens, None, mesh, document_ids=BALANCED_DOCS.clamp(min=0),
+                        attention_mask=real.long(), balance_documents=True)
+    got = sequence_document_ids(batch.position_ids, None, **mesh.document_kwargs())
+    back = gather_sequence(batch.input_ids, mesh, token_order=batch.token_order)
+    found = {"restored": torch.equal(back[real], tokens[real]),
+             "balanced": bool((got >= CHUNK_MAJOR).all())}
+    for row in range(BATCH):
+        kept = batch.token_order[row] >= 0
+        pairs = set(zip(BALANCED_DOCS[row, batch.token_order[row, kept]].tolist(),
+                        got[row, kept].tolist()))
+        found[f"one id per document, row {row}"] = \
+            len(pairs) == len({d for d, _ in pairs}) == len({i for _, i in pairs})
+    positions = gather_sequence(batch.position_ids, mesh)
+    gen = torch.Generator().manual_seed(3)
+    full = [torch.randn(BATCH, 4, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64)
+            for _ in range(4)]
+    index = mesh_token_indices(SEQ, mesh)
+    local = [t[:, :, index].contiguous().requires_grad_() for t in full[:3]]
+    out = attention_2d(*local, is_causal=True, document_ids=got, window=5,
+                       **mesh.attention_kwargs())
+    grads = torch.autograd.grad(out, local, full[3][:, :, index])
+    want_out, _, *want_grads = masked_reference(*full, got, True, 5, positions)
+    errors = [masked_relative_error(g, w[:, :, index])
+              for g, w in zip((out, *grads), (want_out, *want_grads))]
+    found["exact"] = max(errors) <= TOLERANCE[torch.float64]
+    return all(found.values()), (found, errors)
+
+
 def _held_kv_buffers(hp, cp, placement):
     """The most received KV buffers alive at once in a forward + backward where every rank
     reads every other's keys (one document as long as the sequence)."""
@@ -172,6 +212,9 @@ def _suite(rank, world, configs):
         if w == 1:
             sections.run(("documents", hp, cp, placement), _document_ids_check, hp, cp, placement)
             sections.run(("held", hp, cp, placement), _held_kv_buffers, hp, cp, placement)
+            if cp > 1:
+                sections.run(("balanced", hp, cp, placement), _balanced_check, hp, cp,
+                             placement)
     return sections.results
 
 
@@ -188,7 +231,7 @@ def _assert_all(results, configs):
                     assert sent == planned, f"rank {rank} {label}: sent {sent}, plan {planned}"
                 checked += 1
     for key in results[0]:
-        if key[0] == "documents":
+        if key[0] in ("documents", "balanced"):
             for rank, (equal, got) in enumerate(section_results(results, key)):
                 assert equal, f"rank {rank} {key}: {got}"
         if key[0] == "held":  # at most two KV buffers received at once, as in the ring
