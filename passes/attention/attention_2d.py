@@ -128,8 +128,10 @@ class Attention2DPass(Pass):
 def balanced_exact(rewritten: list[dict]) -> bool:
     """Whether every call's mask reads the document order from the positions alone, causally:
     then documents in shard_batch's balanced order are computed exactly (their ids and
-    in-document positions come from those positions, ops/documents.py)."""
-    return all(call["is_causal"] and call["documents_alone"] for call in rewritten)
+    in-document positions come from those positions, ops/documents.py, which also refuses
+    positions in neither order).  A graph with no such call has nothing that verifies them."""
+    return bool(rewritten) and all(call["is_causal"] and call["documents_alone"]
+                                   for call in rewritten)
 
 
 def _check_rope(root, rewritten: list[dict], ctx: PassContext) -> dict | None:

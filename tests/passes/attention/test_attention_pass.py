@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from loong_compile import LoongConfig, LoongUnsupportedError
 from loong_compile.ops import attention_2d
-from loong_compile.passes.attention.attention_2d import Attention2DPass
+from loong_compile.passes.attention.attention_2d import Attention2DPass, balanced_exact
 from loong_compile.passes.base import PassContext
 from conftest import FakeMesh, dynamo_graph
 from helpers import hf_masked_attention
@@ -403,3 +403,14 @@ def test_pass_applies_only_when_the_sequence_is_split():
     p = Attention2DPass()
     assert not p.enabled(LoongConfig())
     assert p.enabled(LoongConfig(cp=2)) and p.enabled(LoongConfig(hp=2))
+
+
+def test_the_balanced_order_is_exact_only_where_every_call_reads_documents_causally():
+    """The fact the input check reads (checks/inputs.py): shard_batch's balanced document order
+    passes only to a graph whose every attention is a causal mask of documents from the
+    positions, with at least one such call (sequence_document_ids verifies the order there)."""
+    documents = {"is_causal": True, "documents_alone": True}
+    assert balanced_exact([documents, documents])
+    assert not balanced_exact([])
+    assert not balanced_exact([documents, {"is_causal": True, "documents_alone": False}])
+    assert not balanced_exact([documents, {"is_causal": False, "documents_alone": True}])
