@@ -1,19 +1,51 @@
-"""Run a function on N local ranks (gloo) with a hard timeout.
+"""Run a function on N local ranks (gloo) with a hard timeout; optionally on ranks kept between calls.
 
-Tests use this instead of ``torch.multiprocessing.spawn`` so that a hang in a
-collective fails the test after ``timeout`` seconds instead of blocking CI.
+Tests and benchmarks use this instead of ``torch.multiprocessing.spawn`` so that a hang in a
+collective fails the call after ``timeout`` seconds instead of blocking CI.
+
+Inside ``keep_ranks()`` (the test suite's whole session) one set of ranks per world size serves
+every call: process start, ``import torch``/transformers and Inductor's first-compile imports
+are paid once, not once per call.  Each call still starts as a new process would: a default
+process group of its own (a new store, new subgroups), the library's per-process state reset,
+the caller's environment.  Ranks that hang or die are killed when the call fails, so the next
+call gets new ones and one failure never reaches another call.  Outside it (benchmarks timing a
+first compile, gpu_check) each call spawns its ranks and ends them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import pickle
 import queue
 import socket
+import sys
+import time
 import traceback
-from typing import Any, Callable
+from collections import OrderedDict
+from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as mp
+
+# ranks kept alive at once over all kept pools (each holds torch, transformers, Inductor)
+MAX_KEPT_RANKS = 12
+# after one rank raised, how long the others get to report before the call stops
+FAILURE_GRACE_S = 10.0
+
+
+class DistributedFailure(RuntimeError):
+    """One or more ranks raised; ``errors`` maps rank -> (type name, message, traceback,
+    exception), in the order the ranks reported: the first is most often the cause (the others
+    fail in a collective it left)."""
+
+    def __init__(self, errors: dict[int, tuple]):
+        self.errors = errors
+        lines = [f"rank {rank}: {name}: {msg}" for rank, (name, msg, _, _) in errors.items()]
+        first = next(iter(errors))
+        super().__init__(f"{len(errors)} rank(s) failed, first {lines[0]}\n"
+                         + "".join(f"  then {line}\n" for line in lines[1:])
+                         + f"rank {first}'s traceback:\n{errors[first][2]}")
 
 
 def _free_port() -> int:
@@ -22,42 +54,170 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results,
-            backend: str = "gloo") -> None:
+def reset_process_state() -> None:
+    """The library's per-process state as a new process has it: no compiled code, no meshes,
+    rank agreement rounds and graph numbers from zero (a new store starts them there)."""
+    import torch
+
+    from loong_compile import backend
+    from loong_compile.checks import ranks
+    from loong_compile.ops import comm, kernels, step_mask
+    from loong_compile.parallel import mesh
+
+    torch._dynamo.reset()
+    mesh._CACHE.clear()
+    mesh._USER_MESHES.clear()
+    ranks._rounds.clear()
+    ranks._compiles = itertools.count()
+    ranks._current_compile = None
+    backend._graph_ids = itertools.count()
+    comm._BYTES.update(dict.fromkeys(comm._BYTES, 0))
+    step_mask._REBUILT[0] = 0
+    kernels._flash_attn_usable.cache_clear()
+
+
+def _rank_main(rank: int, world: int, backend: str, calls, results) -> None:
+    """One rank: run each call sent to it until told to stop (None)."""
     import torch
     import torch.distributed as dist
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
+    own_env = dict(os.environ)
+    reset_process_state()   # imports what every call's reset needs, before the first call's clock
+    while (call := calls.get()) is not None:
+        call_id, port, payload, env = call
+        os.environ.clear()
+        os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        torch.set_num_threads(1)
+        try:
+            fn, args = pickle.loads(payload)
+            if backend == "nccl":
+                torch.cuda.set_device(rank)
+            dist.init_process_group(backend, rank=rank, world_size=world)
+            results.put((call_id, rank, "ok", fn(rank, world, *args)))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            try:  # the exception object travels only if it pickles
+                pickle.dumps(e)
+                exc = e
+            except Exception:  # noqa: BLE001
+                exc = None
+            results.put((call_id, rank, "error", (type(e).__name__, str(e), traceback.format_exc(), exc)))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            os.environ.clear()
+            os.environ.update(own_env)
+            torch.set_default_dtype(torch.float32)
+            torch.set_grad_enabled(True)
+            reset_process_state()
+
+
+class _Ranks:
+    """``world`` processes, each running ``_rank_main``: started once, given calls one by one."""
+
+    _call_ids = itertools.count()
+
+    def __init__(self, world: int, backend: str):
+        ctx = mp.get_context("spawn")
+        self.world, self.results = world, ctx.Queue()
+        self.calls = [ctx.SimpleQueue() for _ in range(world)]
+        self.procs = [ctx.Process(target=_rank_main, args=(r, world, backend, self.calls[r], self.results),
+                                  daemon=True) for r in range(world)]
+        # one compile thread: the ranks already share the machine's cores (Inductor would start a
+        # pool of compile processes in every rank)
+        with _env(TORCHINDUCTOR_COMPILE_THREADS=os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "1")):
+            for p in self.procs:
+                p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def call(self, fn: Callable, args: tuple, timeout: float) -> dict[int, tuple[str, Any]]:
+        """Each reporting rank's (status, payload); raises ``TimeoutError`` when a rank hung."""
+        call_id = next(self._call_ids)
+        message = (call_id, _free_port(), pickle.dumps((fn, args)), dict(os.environ))
+        for calls in self.calls:
+            calls.put(message)
+        collected: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(collected) < self.world:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if any(status == "error" for status, _ in collected.values()):
+                    break
+                missing = sorted(set(range(self.world)) - set(collected))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s (hang?)")
+            try:
+                got_id, rank, status, payload = self.results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                if not self.alive():
+                    break
+                continue
+            if got_id == call_id:
+                collected[rank] = (status, payload)
+                if status == "error":  # the others may wait for it in a collective: a moment, then stop
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        return collected
+
+    def close(self) -> None:
+        for calls, p in zip(self.calls, self.procs):
+            if p.is_alive():
+                calls.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world)
-        out = fn(rank, world, *args)
-        results.put((rank, "ok", out))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        try:  # the exception object travels only if it pickles
-            pickle.dumps(e)
-            exc = e
-        except Exception:  # noqa: BLE001
-            exc = None
-        results.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc(), exc)))
+        yield
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
-class DistributedFailure(RuntimeError):
-    """One or more ranks raised; ``errors`` maps rank -> (type name, message, traceback, exception)."""
+# (world, backend, sys.path) -> ranks kept by keep_ranks(), least recently used first; a call
+# whose sys.path differs (a test's stand-in modules) gets ranks of its own, as a spawn would
+_kept: OrderedDict[tuple, _Ranks] | None = None
 
-    def __init__(self, errors: dict[int, tuple]):
-        self.errors = errors
-        first = min(errors)
-        name, msg, tb, _ = errors[first]
-        super().__init__(f"{len(errors)} rank(s) failed; rank {first}: {name}: {msg}\n{tb}")
+
+@contextlib.contextmanager
+def keep_ranks() -> Iterator[None]:
+    """Within this block ``run_distributed`` reuses its ranks between calls (see the module's
+    docstring); they are ended when the outermost such block exits."""
+    global _kept
+    if _kept is not None:
+        yield
+        return
+    _kept = OrderedDict()
+    try:
+        yield
+    finally:
+        for ranks in _kept.values():
+            ranks.close()
+        _kept = None
+
+
+def _ranks_for(world: int, backend: str) -> tuple[_Ranks, tuple | None]:
+    """(ranks for this call, their key in ``_kept``, or None when they end with the call)."""
+    if _kept is None:
+        return _Ranks(world, backend), None
+    key = (world, backend, tuple(sys.path))
+    ranks = _kept.pop(key, None)
+    if ranks is None or not ranks.alive():
+        while _kept and sum(r.world for r in _kept.values()) + world > MAX_KEPT_RANKS:
+            _kept.popitem(last=False)[1].close()
+        ranks = _Ranks(world, backend)
+    _kept[key] = ranks
+    return ranks, key
 
 
 def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 300.0,
@@ -68,46 +228,20 @@ def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 300.0
     ``fn`` must be importable (a module-level function). Raises ``DistributedFailure``
     if any rank raised and ``TimeoutError`` if the ranks did not finish in time.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, backend), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
+    ranks, key = _ranks_for(world, backend)
     collected: dict[int, tuple[str, Any]] = {}
     try:
-        import time
-        deadline = time.monotonic() + timeout
-        while len(collected) < world:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if any(status == "error" for status, _ in collected.values()):
-                    break
-                missing = sorted(set(range(world)) - set(collected))
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s (hang?)")
-            try:
-                rank, status, payload = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs) and not any(
-                        p.is_alive() for p in procs):
-                    break
-                continue
-            collected[rank] = (status, payload)
-            if status == "error":
-                # one rank failed: give the others a moment to report, then stop
-                deadline = min(deadline, time.monotonic() + 10)
+        collected = ranks.call(fn, args, timeout)
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        if key is None or len(collected) < world or not ranks.alive():
+            ranks.close()
+            if key is not None:
+                _kept.pop(key, None)
     errors = {r: payload for r, (status, payload) in collected.items() if status == "error"}
     if errors:
         raise DistributedFailure(errors)
     missing = sorted(set(range(world)) - set(collected))
     if missing:
-        codes = {r: procs[r].exitcode for r in missing}
+        codes = {r: ranks.procs[r].exitcode for r in missing}
         raise RuntimeError(f"ranks {missing} died without reporting (exit codes {codes})")
     return [collected[r][1] for r in range(world)]

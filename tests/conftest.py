@@ -15,6 +15,16 @@ sys.path.insert(0, str(ROOT / "examples"))
 import helpers  # noqa: E402,F401  (examples/ must be importable first)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _kept_ranks():
+    """One set of gloo ranks per world size serves every run_distributed call of the session
+    (loong_compile.testing: each call still starts as a new process would)."""
+    from loong_compile.testing import keep_ranks
+
+    with keep_ranks():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Each test compiles from scratch: Dynamo's caches and counters do not leak between tests."""

@@ -1,6 +1,9 @@
 """Exact or refused: eighteen Hugging Face architectures x attention x windows x users' habits,
 and four that mix tokens outside attention (refused whatever the habit).
 
+Each cell is one call of ``run_distributed`` on the session's kept ranks: a cell that crashes
+or hangs fails alone, named by its case and its ranks, within its own timeout.
+
 Every case runs one training step under backend="loong" (aot_eager, float64 unless bf16;
 float32 for the mixtures of experts, whose grouped_mm has no float64 kernel on CPU) on
 2 gloo ranks and is either equal to one process on the full sequence (loss and gradients) or
@@ -12,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from loong_compile.testing import run_distributed
-from trust_matrix import WINDOW_SHARD, WINDOW_SHORT, Case, all_cases, judge, run_cases
+from loong_compile.testing import DistributedFailure, run_distributed
+from trust_matrix import WINDOW_SHARD, WINDOW_SHORT, Case, all_cases, judge, run_case
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
 
@@ -72,19 +75,15 @@ HP_CASES = [Case("mistral", window=WINDOW_SHORT), Case("llama"), Case("qwen3", h
 HP_CASES += [Case(arch, attn="eager" if arch == "gpt_oss" else "sdpa") for arch in MIXING]
 
 
-@pytest.fixture(scope="module")
-def outcomes() -> dict:
-    """All cases, one spawn per mesh (compiling is the cost; spawning twice per case is not)."""
-    runs = {"cp2": CASES, "hp2": HP_CASES}
-    return {mesh: run_distributed(run_cases, 2, *MESHES[mesh], cases, timeout=1500)[0]
-            for mesh, cases in runs.items()}
+CASE_TIMEOUT = 300   # one case: a compile of a one- or two-layer model, seconds at most
 
 
-@pytest.mark.timeout(3000)  # the fixture's two spawns of compiling ranks (1500 s each)
+@pytest.mark.timeout(CASE_TIMEOUT + 60)
 @pytest.mark.parametrize("mesh,case", [("cp2", c) for c in CASES] + [("hp2", c) for c in HP_CASES],
                          ids=lambda v: v if isinstance(v, str) else v.name)
-def test_case_is_exact_or_refused(outcomes, mesh, case):
-    verdict, detail = judge(case, outcomes[mesh][case])
+def test_case_is_exact_or_refused(mesh, case):
+    outcome = run_distributed(run_case, 2, *MESHES[mesh], case, timeout=CASE_TIMEOUT)[0]
+    verdict, detail = judge(case, outcome)
     want = expected(case)
     if want is None:
         assert verdict == "exact", f"{case.name} on {mesh}: {verdict}: {detail}"
@@ -95,3 +94,13 @@ def test_case_is_exact_or_refused(outcomes, mesh, case):
     missing = [w for w in words if w not in detail]
     assert not missing, f"{case.name}: message lacks {missing}: {detail}"
     assert "fix:" in detail
+
+
+@pytest.mark.timeout(2 * CASE_TIMEOUT + 60)
+def test_a_broken_cell_names_its_case_and_rank_and_the_next_cell_runs(monkeypatch):
+    monkeypatch.setenv("TRUST_MATRIX_BREAK", "llama-sdpa-plain:1")
+    with pytest.raises(DistributedFailure) as failure:
+        run_distributed(run_case, 2, 1, 2, Case("llama"), timeout=CASE_TIMEOUT)
+    assert "first rank 1: RuntimeError: llama-sdpa-plain broken on purpose on rank 1" in str(failure.value)
+    outcome = run_distributed(run_case, 2, 1, 2, Case("qwen2"), timeout=CASE_TIMEOUT)[0]
+    assert judge(Case("qwen2"), outcome)[0] == "exact", outcome

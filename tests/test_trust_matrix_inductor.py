@@ -45,7 +45,7 @@ import pytest
 
 from helpers import BUDGET
 from loong_compile.testing import run_distributed
-from trust_matrix import INDUCTOR_TOLERANCE, WINDOW_SHARD, Case, reference, relative_error, run_cases
+from trust_matrix import INDUCTOR_TOLERANCE, WINDOW_SHARD, Case, reference, relative_error, run_case
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
 
@@ -71,7 +71,7 @@ POLICY_CASES = {
 BALANCED = Case("mistral", window=WINDOW_SHARD, habit="packed_balanced_use_cache_false")
 for cases in POLICY_CASES.values():
     cases.append(BALANCED)
-# what the policy must have done in each case's graphs (run_cases' work_done)
+# what the policy must have done in each case's graphs (run_case's work_done)
 WORK = {
     "sc++": lambda done: done["recompute_tags"] > 0,
     "memo-alpha0": lambda done: done["recomputed_bytes"] > 0,
@@ -81,24 +81,16 @@ WORK = {
 }
 
 
-def _all_policies(rank: int, world: int) -> dict:
-    return {policy: run_cases(rank, world, 2, 2, cases, {"lowering": "inductor",
-                                                         "rank_check_timeout": 60,
-                                                         **POLICIES[policy]})
-            for policy, cases in POLICY_CASES.items()}
-
-
-@pytest.fixture(scope="module")
-def outcomes() -> dict:
-    return run_distributed(_all_policies, 4, timeout=1500)[0]
+CASE_TIMEOUT = 600   # one case: 4 ranks compiling a forward and a backward with Inductor
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1600)
+@pytest.mark.timeout(CASE_TIMEOUT + 60)
 @pytest.mark.parametrize("policy,case", [(p, c) for p, cases in POLICY_CASES.items() for c in cases],
                          ids=lambda v: v if isinstance(v, str) else v.name)
-def test_case_is_exact_under_inductor_at_hp2_cp2(outcomes, policy, case):
-    outcome = outcomes[policy][case]
+def test_case_is_exact_under_inductor_at_hp2_cp2(policy, case):
+    options = {"lowering": "inductor", "rank_check_timeout": 60, **POLICIES[policy]}
+    outcome = run_distributed(run_case, 4, 2, 2, case, options, timeout=CASE_TIMEOUT)[0]
     assert outcome[0] == "ok", f"{case.name} under {policy}: {outcome[1]}: {outcome[2][:3000]}"
     error = relative_error(outcome[1:3], reference(case))
     assert error <= INDUCTOR_TOLERANCE, f"{case.name} under {policy}: relative error {error:.1e}"

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -397,26 +397,40 @@ def loss_in_graph_step(case: Case, hp: int, cp: int, lowering: str):
     return loss.item(), grads, reports[-1].summary("lm_head_loss")
 
 
-def run_cases(rank: int, world: int, hp: int, cp: int, cases: list[Case],
-              extra_options: dict | None = None) -> dict:
-    """On every rank: each case's outcome, ("ok", loss, grads, work_done) on rank 0 or
-    ("refused", ...); ``extra_options`` go to the backend beside the mesh (e.g. Inductor and a
-    policy)."""
+def run_case(rank: int, world: int, hp: int, cp: int, case: Case,
+             extra_options: dict | None = None) -> tuple:
+    """On every rank: the case's outcome, ("ok", loss, grads, work_done) on rank 0 (("ok",) on
+    the others) or ("refused", error class, message) for a ``LoongError``; anything else raises,
+    and run_distributed names the rank.  ``extra_options`` go to the backend beside the mesh
+    (e.g. Inductor and a policy).  ``TRUST_MATRIX_BREAK=<case name>:<rank>`` makes that
+    rank raise in that case (how a broken cell reads in pytest's output)."""
+    if os.environ.get("TRUST_MATRIX_BREAK") == f"{case.name}:{rank}":
+        raise RuntimeError(f"{case.name} broken on purpose on rank {rank} (TRUST_MATRIX_BREAK)")
+    try:
+        loss, grads, done = _distributed_step(case, hp, cp, extra_options)
+    except Exception as exc:
+        error = loong_error_in(exc)
+        if error is None:
+            raise
+        return ("refused", type(error).__name__, str(error))
+    # numpy, not tensors: a tensor travels between processes as a file descriptor of the rank's
+    return ("ok", loss, {n: g.numpy() for n, g in grads.items()}, done) if rank == 0 else ("ok",)
+
+
+def run_matrix(cases: list[Case], world: int, hp: int, cp: int, extra_options: dict | None = None,
+               timeout: float = 600) -> dict:
+    """Every case's outcome on rank 0, one ``run_distributed`` call per case on kept ranks; a
+    case whose ranks crashed or hung is ("crash", error, detail)."""
+    from loong_compile.testing import keep_ranks, run_distributed
+
     outcomes = {}
-    for case in cases:
-        torch._dynamo.reset()
-        try:
-            loss, grads, done = _distributed_step(case, hp, cp, extra_options)
-            # numpy, not tensors: tensors travel between processes as file descriptors that die
-            # with the rank
-            outcomes[case] = ("ok", loss, {n: g.numpy() for n, g in grads.items()}, done) \
-                if rank == 0 else ("ok",)
-        except Exception as exc:  # noqa: BLE001 - recorded and judged by the test
-            error = loong_error_in(exc)
-            if error is not None:
-                outcomes[case] = ("refused", type(error).__name__, str(error))
-            else:
-                outcomes[case] = ("crash", type(exc).__name__, traceback.format_exc()[-1500:].replace("\n", " | "))
+    with keep_ranks():
+        for case in cases:
+            try:
+                outcomes[case] = run_distributed(run_case, world, hp, cp, case, extra_options,
+                                                 timeout=timeout)[0]
+            except Exception as exc:  # noqa: BLE001 - judged as a crash
+                outcomes[case] = ("crash", type(exc).__name__, str(exc)[-1500:].replace("\n", " | "))
     return outcomes
 
 
@@ -463,11 +477,9 @@ def _label(attn: str, window: int | None, habit: str) -> str:
 
 
 if __name__ == "__main__":
-    from loong_compile.testing import run_distributed
-
     wanted = [a for a in sys.argv[1:] if not a.startswith("--")]
     cases = [c for c in all_cases() if not wanted or any(w in c.name for w in wanted)]
-    results = run_distributed(run_cases, 2, 1, 2, cases, timeout=3000)[0]
+    results = run_matrix(cases, 2, 1, 2)
     if "--markdown" in sys.argv:
         print(markdown(cases, results))
     else:

@@ -1,0 +1,90 @@
+"""run_distributed's kept ranks: each call as a new process would see it, and a failure or a hang
+in one call reported by rank and kept from the next."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from loong_compile.testing import DistributedFailure, keep_ranks, run_distributed
+
+pytestmark = pytest.mark.multirank  # spawns gloo ranks
+
+
+def _pid_and_state(rank, world, leave_behind: bool):
+    """This rank's pid, and what an earlier call could have left: an environment variable, a
+    mesh built with init_mesh, a compiled function, a default dtype."""
+    import loong_compile as lc
+    from loong_compile.parallel import mesh
+
+    seen = {"env": os.environ.get("LEFT_BEHIND"), "meshes": len(mesh._USER_MESHES),
+            "dtype": str(torch.get_default_dtype()), "world": dist.get_world_size()}
+    if leave_behind:
+        os.environ["LEFT_BEHIND"] = "1"
+        lc.init_mesh(hp=1, cp=2)
+        torch.set_default_dtype(torch.float64)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return os.getpid(), seen, t.item()
+
+
+def _raise_on(rank, world, bad_rank: int, then_wait: bool):
+    if rank == bad_rank:
+        raise ValueError(f"case broken on purpose on rank {rank}")
+    if then_wait:  # the others wait for it in a collective, as in a real step
+        dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def _hang_on(rank, world, bad_rank: int):
+    if rank == bad_rank:
+        time.sleep(3600)
+    return rank
+
+
+def test_kept_ranks_serve_many_calls_each_as_a_new_process():
+    with keep_ranks():
+        first = run_distributed(_pid_and_state, 2, True, timeout=120)
+        second = run_distributed(_pid_and_state, 2, False, timeout=120)
+    assert [pid for pid, _, _ in first] == [pid for pid, _, _ in second]   # the same processes
+    for _, seen, total in second:
+        assert seen == {"env": None, "meshes": 0, "dtype": "torch.float32", "world": 2}
+        assert total == 2
+    outside = run_distributed(_pid_and_state, 2, False, timeout=120)
+    assert {pid for pid, _, _ in outside}.isdisjoint(pid for pid, _, _ in first)
+
+
+def test_a_failing_rank_is_named_and_the_next_call_runs():
+    with keep_ranks():
+        # rank 1 raises while rank 0 waits for it in an all_reduce: rank 0 never reports
+        start = time.monotonic()
+        with pytest.raises(DistributedFailure) as failure:
+            run_distributed(_raise_on, 2, 1, True, timeout=120)
+        assert time.monotonic() - start < 60   # the grace after a failure, not the timeout
+        # rank 1 first, then rank 0 whose all_reduce lost its peer (gloo) or nothing (killed)
+        assert next(iter(failure.value.errors)) == 1
+        assert "first rank 1: ValueError: case broken on purpose on rank 1" in str(failure.value)
+        # the next call runs (on the same ranks if every rank reported, on new ones if not)
+        after = run_distributed(_pid_and_state, 2, False, timeout=120)
+        assert [total for _, _, total in after] == [2.0, 2.0]
+        # one rank raised, the other returned: both reported, the ranks are kept
+        with pytest.raises(DistributedFailure) as failure:
+            run_distributed(_raise_on, 2, 0, False, timeout=120)
+        assert set(failure.value.errors) == {0}
+        kept = run_distributed(_pid_and_state, 2, False, timeout=120)
+        assert [pid for pid, _, _ in kept] == [pid for pid, _, _ in after]
+
+
+def test_a_hang_fails_within_its_timeout_and_the_next_call_runs():
+    with keep_ranks():
+        run_distributed(_hang_on, 2, 5, timeout=120)   # the ranks started: the timeout is the call's
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 20 s"):
+            run_distributed(_hang_on, 2, 1, timeout=20)
+        assert time.monotonic() - start < 60
+        # the hung rank and the other were ended: new ranks run the next call
+        assert run_distributed(_hang_on, 2, 5, timeout=120) == [0, 1]
