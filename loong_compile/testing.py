@@ -64,7 +64,7 @@ def reset_process_state() -> None:
     from loong_compile.ops import comm, kernels, step_mask
     from loong_compile.parallel import mesh
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     mesh._CACHE.clear()
     mesh._USER_MESHES.clear()
     ranks._rounds.clear()
@@ -117,15 +117,16 @@ class _Ranks:
 
     _call_ids = itertools.count()
 
-    def __init__(self, world: int, backend: str):
+    def __init__(self, world: int, backend: str, kept: bool):
         ctx = mp.get_context("spawn")
         self.world, self.results = world, ctx.Queue()
         self.calls = [ctx.SimpleQueue() for _ in range(world)]
         self.procs = [ctx.Process(target=_rank_main, args=(r, world, backend, self.calls[r], self.results),
                                   daemon=True) for r in range(world)]
-        # one compile thread: the ranks already share the machine's cores (Inductor would start a
-        # pool of compile processes in every rank)
-        with _env(TORCHINDUCTOR_COMPILE_THREADS=os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "1")):
+        # kept ranks compile with one thread: they already share the machine's cores (Inductor
+        # would start a pool of compile processes in every rank); a benchmark's ranks as they were
+        threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "1" if kept else None)
+        with _env(**({} if threads is None else {"TORCHINDUCTOR_COMPILE_THREADS": threads})):
             for p in self.procs:
                 p.start()
 
@@ -190,32 +191,30 @@ _kept: OrderedDict[tuple, _Ranks] | None = None
 
 
 @contextlib.contextmanager
-def keep_ranks() -> Iterator[None]:
+def keep_ranks(keep: bool = True) -> Iterator[None]:
     """Within this block ``run_distributed`` reuses its ranks between calls (see the module's
-    docstring); they are ended when the outermost such block exits."""
+    docstring), or with ``keep=False`` spawns and ends them per call; ranks kept here are ended
+    when the block exits, and the enclosing block's rule (and ranks) hold again."""
     global _kept
-    if _kept is not None:
-        yield
-        return
-    _kept = OrderedDict()
+    outer, _kept = _kept, OrderedDict() if keep else None
     try:
         yield
     finally:
-        for ranks in _kept.values():
+        for ranks in (_kept or {}).values():
             ranks.close()
-        _kept = None
+        _kept = outer
 
 
 def _ranks_for(world: int, backend: str) -> tuple[_Ranks, tuple | None]:
     """(ranks for this call, their key in ``_kept``, or None when they end with the call)."""
     if _kept is None:
-        return _Ranks(world, backend), None
+        return _Ranks(world, backend, kept=False), None
     key = (world, backend, tuple(sys.path))
     ranks = _kept.pop(key, None)
     if ranks is None or not ranks.alive():
         while _kept and sum(r.world for r in _kept.values()) + world > MAX_KEPT_RANKS:
             _kept.popitem(last=False)[1].close()
-        ranks = _Ranks(world, backend)
+        ranks = _Ranks(world, backend, kept=True)
     _kept[key] = ranks
     return ranks, key
 

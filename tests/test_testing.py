@@ -54,8 +54,9 @@ def test_kept_ranks_serve_many_calls_each_as_a_new_process():
     for _, seen, total in second:
         assert seen == {"env": None, "meshes": 0, "dtype": "torch.float32", "world": 2}
         assert total == 2
-    outside = run_distributed(_pid_and_state, 2, False, timeout=120)
-    assert {pid for pid, _, _ in outside}.isdisjoint(pid for pid, _, _ in first)
+    with keep_ranks(False):   # each call spawns its ranks and ends them
+        once, again = (run_distributed(_pid_and_state, 2, False, timeout=120) for _ in range(2))
+    assert {pid for pid, _, _ in once}.isdisjoint(pid for pid, _, _ in again)
 
 
 def test_a_failing_rank_is_named_and_the_next_call_runs():

@@ -1,8 +1,9 @@
 """Exact or refused: eighteen Hugging Face architectures x attention x windows x users' habits,
 and four that mix tokens outside attention (refused whatever the habit).
 
-Each cell is one call of ``run_distributed`` on the session's kept ranks: a cell that crashes
-or hangs fails alone, named by its case and its ranks, within its own timeout.
+The cells run a dozen per ``run_distributed`` call on the session's kept ranks
+(``trust_matrix.run_matrix``); a call that crashes or hangs is run again a cell per call, so
+that the failing cell fails alone, named by its case and its ranks, within its own timeout.
 
 Every case runs one training step under backend="loong" (aot_eager, float64 unless bf16;
 float32 for the mixtures of experts, whose grouped_mm has no float64 kernel on CPU) on
@@ -15,8 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from loong_compile.testing import DistributedFailure, run_distributed
-from trust_matrix import WINDOW_SHARD, WINDOW_SHORT, Case, all_cases, judge, run_case
+from trust_matrix import WINDOW_SHARD, WINDOW_SHORT, Case, all_cases, judge, run_matrix
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
 
@@ -75,14 +75,17 @@ HP_CASES = [Case("mistral", window=WINDOW_SHORT), Case("llama"), Case("qwen3", h
 HP_CASES += [Case(arch, attn="eager" if arch == "gpt_oss" else "sdpa") for arch in MIXING]
 
 
-CASE_TIMEOUT = 300   # one case: a compile of a one- or two-layer model, seconds at most
+@pytest.fixture(scope="module")
+def outcomes() -> dict:
+    return {mesh: run_matrix(cases, 2, *MESHES[mesh]) for mesh, cases in
+            {"cp2": CASES, "hp2": HP_CASES}.items()}
 
 
-@pytest.mark.timeout(CASE_TIMEOUT + 60)
+@pytest.mark.timeout(3000)  # the first cell computes the module's outcomes (~10 min on 2 cores)
 @pytest.mark.parametrize("mesh,case", [("cp2", c) for c in CASES] + [("hp2", c) for c in HP_CASES],
                          ids=lambda v: v if isinstance(v, str) else v.name)
-def test_case_is_exact_or_refused(mesh, case):
-    outcome = run_distributed(run_case, 2, *MESHES[mesh], case, timeout=CASE_TIMEOUT)[0]
+def test_case_is_exact_or_refused(outcomes, mesh, case):
+    outcome = outcomes[mesh][case]
     verdict, detail = judge(case, outcome)
     want = expected(case)
     if want is None:
@@ -96,11 +99,14 @@ def test_case_is_exact_or_refused(mesh, case):
     assert "fix:" in detail
 
 
-@pytest.mark.timeout(2 * CASE_TIMEOUT + 60)
-def test_a_broken_cell_names_its_case_and_rank_and_the_next_cell_runs(monkeypatch):
+@pytest.mark.timeout(900)
+def test_a_broken_cell_names_its_case_and_rank_and_the_other_cells_report(monkeypatch):
+    """Rank 1 raises in one cell while rank 0 goes on into its collectives: that cell is a
+    crash naming the case, the rank and the error; the other cell of the same call is exact."""
     monkeypatch.setenv("TRUST_MATRIX_BREAK", "llama-sdpa-plain:1")
-    with pytest.raises(DistributedFailure) as failure:
-        run_distributed(run_case, 2, 1, 2, Case("llama"), timeout=CASE_TIMEOUT)
-    assert "first rank 1: RuntimeError: llama-sdpa-plain broken on purpose on rank 1" in str(failure.value)
-    outcome = run_distributed(run_case, 2, 1, 2, Case("qwen2"), timeout=CASE_TIMEOUT)[0]
-    assert judge(Case("qwen2"), outcome)[0] == "exact", outcome
+    broken, other = Case("llama"), Case("qwen2")
+    outcomes = run_matrix([broken, other], 2, 1, 2)
+    verdict, detail = judge(broken, outcomes[broken])
+    assert verdict == "crash", detail
+    assert "first rank 1: RuntimeError: llama-sdpa-plain broken on purpose on rank 1" in detail
+    assert judge(other, outcomes[other])[0] == "exact", outcomes[other]

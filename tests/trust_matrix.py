@@ -417,20 +417,44 @@ def run_case(rank: int, world: int, hp: int, cp: int, case: Case,
     return ("ok", loss, {n: g.numpy() for n, g in grads.items()}, done) if rank == 0 else ("ok",)
 
 
+def run_cases(rank: int, world: int, hp: int, cp: int, cases: list[Case],
+              extra_options: dict | None = None) -> dict:
+    """On every rank: ``run_case`` of each case in turn (the mesh built once); a crash raises."""
+    outcomes = {}
+    for case in cases:
+        torch._dynamo.reset()
+        outcomes[case] = run_case(rank, world, hp, cp, case, extra_options)
+    return outcomes
+
+
+# cases per run_distributed call: the first case of a call builds the mesh and warms the ranks
+# (a call per case made the matrix 1.9x slower, docs/benchmarks.md "Test suite time")
+CASES_PER_CALL = 12
+
+
 def run_matrix(cases: list[Case], world: int, hp: int, cp: int, extra_options: dict | None = None,
-               timeout: float = 600) -> dict:
-    """Every case's outcome on rank 0, one ``run_distributed`` call per case on kept ranks; a
-    case whose ranks crashed or hung is ("crash", error, detail)."""
-    from loong_compile.testing import keep_ranks, run_distributed
+               call_timeout: float = 900, case_timeout: float = 300) -> dict:
+    """Every case's outcome on rank 0, ``CASES_PER_CALL`` cases per call on the kept ranks.  A
+    call that fails (a rank raised outside a ``LoongError``, died or hung) is run again a case
+    per call, so that the failure is the failing case's alone: ("crash", error, what
+    run_distributed said: each rank's error, or which ranks hung)."""
+    from loong_compile.testing import run_distributed
 
     outcomes = {}
-    with keep_ranks():
-        for case in cases:
+    for start in range(0, len(cases), CASES_PER_CALL):
+        part = cases[start:start + CASES_PER_CALL]
+        try:
+            outcomes.update(run_distributed(run_cases, world, hp, cp, part, extra_options,
+                                            timeout=call_timeout)[0])
+            continue
+        except Exception:  # noqa: BLE001 - each case again, alone
+            pass
+        for case in part:
             try:
                 outcomes[case] = run_distributed(run_case, world, hp, cp, case, extra_options,
-                                                 timeout=timeout)[0]
+                                                 timeout=case_timeout)[0]
             except Exception as exc:  # noqa: BLE001 - judged as a crash
-                outcomes[case] = ("crash", type(exc).__name__, str(exc)[-1500:].replace("\n", " | "))
+                outcomes[case] = ("crash", type(exc).__name__, str(exc)[-3000:])
     return outcomes
 
 
@@ -479,7 +503,10 @@ def _label(attn: str, window: int | None, habit: str) -> str:
 if __name__ == "__main__":
     wanted = [a for a in sys.argv[1:] if not a.startswith("--")]
     cases = [c for c in all_cases() if not wanted or any(w in c.name for w in wanted)]
-    results = run_matrix(cases, 2, 1, 2)
+    from loong_compile.testing import keep_ranks
+
+    with keep_ranks():
+        results = run_matrix(cases, 2, 1, 2)
     if "--markdown" in sys.argv:
         print(markdown(cases, results))
     else:
