@@ -76,13 +76,15 @@ def reset_process_state() -> None:
     kernels._flash_attn_usable.cache_clear()
 
 
-def _rank_main(rank: int, world: int, backend: str, calls, results) -> None:
-    """One rank: run each call sent to it until told to stop (None)."""
+def _rank_main(rank: int, world: int, backend: str, kept: bool, calls, results) -> None:
+    """One rank: run each call sent to it until told to stop (None); ``kept`` ranks reset the
+    library's state after each call (a rank that serves one call just ends)."""
     import torch
     import torch.distributed as dist
 
     own_env = dict(os.environ)
-    reset_process_state()   # imports what every call's reset needs, before the first call's clock
+    if kept:
+        reset_process_state()   # imports what every call's reset needs, before the first call's clock
     while (call := calls.get()) is not None:
         call_id, port, payload, env = call
         os.environ.clear()
@@ -107,9 +109,10 @@ def _rank_main(rank: int, world: int, backend: str, calls, results) -> None:
                 dist.destroy_process_group()
             os.environ.clear()
             os.environ.update(own_env)
-            torch.set_default_dtype(torch.float32)
-            torch.set_grad_enabled(True)
-            reset_process_state()
+            if kept:
+                torch.set_default_dtype(torch.float32)
+                torch.set_grad_enabled(True)
+                reset_process_state()
 
 
 class _Ranks:
@@ -121,7 +124,7 @@ class _Ranks:
         ctx = mp.get_context("spawn")
         self.world, self.results = world, ctx.Queue()
         self.calls = [ctx.SimpleQueue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_rank_main, args=(r, world, backend, self.calls[r], self.results),
+        self.procs = [ctx.Process(target=_rank_main, args=(r, world, backend, kept, self.calls[r], self.results),
                                   daemon=True) for r in range(world)]
         # kept ranks compile with one thread: they already share the machine's cores (Inductor
         # would start a pool of compile processes in every rank); a benchmark's ranks as they were
