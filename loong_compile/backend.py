@@ -45,6 +45,8 @@ from loong_compile.config import LoongConfig
 from loong_compile.errors import LoongConfigError
 from loong_compile.passes import library_passes, library_source_digest
 from loong_compile.passes.attention.input_roles import BALANCED_EXACT, POSITION_INPUTS
+from loong_compile.passes.attention.made_positions import MADE_POSITIONS
+from loong_compile.passes.loss.sequence_loss import LABELS_SHIFTED
 from loong_compile.passes.base import STAGES, GraphPass, PassContext, ScheduleRequest, SplitGraphs, check_contracts
 from loong_compile.report import Dumper, GraphReport, PassRecord, overlap
 
@@ -168,7 +170,8 @@ class _GraphCompile:
         self._check_ranks_agree()
         compiled, summary = input_checks.checking_positions(
             self._lower(example_inputs), self.gm, self.mesh, self.state.get(POSITION_INPUTS, {}),
-            self.state.get(BALANCED_EXACT, False))
+            self.state.get(BALANCED_EXACT, False), self.state.get(LABELS_SHIFTED, False),
+            self.state.get(MADE_POSITIONS, {}).get("inputs", ()))
         if summary is not None:
             self.report.passes.append(PassRecord("input_checks", "dynamo", "dynamo", 0.0, summary))
             self._publish()
@@ -274,7 +277,9 @@ class _GraphCompile:
 
 
 def _is_loong_op(target: Any) -> bool:
-    return getattr(target, "__module__", "").startswith("loong_compile.ops")
+    """A call the passes emitted: a function of ``loong_compile.ops`` or a ``loong::`` op."""
+    return getattr(target, "__module__", "").startswith("loong_compile.ops") or (
+        getattr(target, "namespace", None) == "loong")
 
 
 def _collective_signature(node: torch.fx.Node) -> dict[str, Any]:

@@ -34,7 +34,9 @@ def library_passes() -> list:
     from loong_compile.passes.activations.offload import OffloadPass
     from loong_compile.passes.activations.recompute import TokenSliceRecomputePass
     from loong_compile.passes.attention.attention_2d import Attention2DPass
+    from loong_compile.passes.attention.made_positions import MadePositionsPass
     from loong_compile.passes.loss.lm_head import LMHeadLossPass
+    from loong_compile.passes.loss.sequence_loss import SequenceLossPass
     from loong_compile.passes.memory_plan import MemoryPlanPass
     from loong_compile.passes.safety.token_locality import TokenLocalityPass
     from loong_compile.passes.schedule.comm_overlap import CommOverlapPass
@@ -44,6 +46,8 @@ def library_passes() -> list:
     return [
         # dynamo
         Attention2DPass(),
+        MadePositionsPass(),
+        SequenceLossPass(),
         TokenLocalityPass(),
         LMHeadLossPass(),
         # joint, split

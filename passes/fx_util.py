@@ -211,6 +211,30 @@ def insert_call(graph: torch.fx.Graph, target: Any, args: tuple, kwargs: dict | 
     return node
 
 
+
+def insert_dynamo_call(graph: torch.fx.Graph, anchor: torch.fx.Node, target: Any, args: tuple,
+                       kwargs: dict | None = None) -> torch.fx.Node:
+    """Add a call before ``anchor`` in a Dynamo graph, with the anchor's source metadata and its
+    ``example_value`` from ``target``'s fake kernel (in the fake mode of the anchor's value,
+    else of its inputs')."""
+    with graph.inserting_before(anchor):
+        node = graph.call_function(target, args, kwargs or {})
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in anchor.meta:
+            node.meta[key] = anchor.meta[key]
+
+    def value(a: Any) -> Any:
+        return a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a
+
+    # the example values' own mode (not the tracing context's, which detect_fake_mode prefers)
+    mode = next(v.fake_mode for v in map(value, (anchor, *node.all_input_nodes))
+                if hasattr(v, "fake_mode"))
+    with mode:
+        node.meta["example_value"] = target(*torch.fx.node.map_aggregate(node.args, value),
+                                            **torch.fx.node.map_aggregate(node.kwargs, value))
+    return node
+
+
 # -- graph order --------------------------------------------------------------------------
 
 def first_in_order(nodes: Iterable[torch.fx.Node]) -> torch.fx.Node:

@@ -44,6 +44,19 @@ class FakeMesh:
         return {"hp": 2, "cp": 2, "sp_group": "g_sp", "hp_group": "g_hp", "cp_group": "g_dout"}
 
 
+class StubMesh:
+    """What the dynamo passes read of a mesh (sizes and group names), for graph tests in one
+    process: the graphs stand for a rank of ``hp * cp``; nothing runs a collective."""
+
+    def __init__(self, hp: int = 1, cp: int = 2):
+        self.hp, self.cp, self.sp = hp, cp, hp * cp
+        self.group_names = {"sp": "sp", "hp": "hp", "dkv_outer": "cp"}
+
+    def document_kwargs(self) -> dict:
+        return {"hp": self.hp, "cp": self.cp, "sp_group": "sp", "hp_group": "hp",
+                "cp_group": "cp"}
+
+
 def dynamo_graph(fn, *inputs, **kw_inputs):
     """The FX graph Dynamo captures for fn (with its fake-tensor metadata, and each input's
     source, which Dynamo drops once the compile is over)."""

@@ -21,7 +21,10 @@ graph most:
   recompiled in its own graph), and Cohere2 (local/global layers, NoPE on the global one,
   attention and MLP in parallel from one norm).
 - sc++: Qwen2 (observation 1), Mistral with a window shorter than a rank's share, Llama with
-  gradient checkpointing (recompute inside recompute).
+  gradient checkpointing (recompute inside recompute), and the plainest call,
+  ``model(ids, labels=ids)`` without position ids, on GPT-NeoX (partial rotary): the label
+  exchange, the sequence's count and the layout's positions lowered by Inductor (every family
+  and every policy were run once by hand: docs/usage.md, "Hugging Face models").
 - memo, alpha 0 (every "other" activation recomputed, token-sliced) and alpha 1 (offloaded
   and reloaded), ``resident_layers=0`` so that the one layer is swapped: Qwen2, Gemma3 with a
   window shorter than a rank's share and packed documents, Granite (every multiplier), Qwen2
@@ -60,7 +63,8 @@ POLICIES = {
 POLICY_CASES = {
     "none": [Case("gemma3", habit="grad_ckpt"), Case("llama", habit="grad_ckpt_reentrant"),
              Case("cohere2", window=WINDOW_SHARD)],
-    "sc++": [Case("qwen2"), Case("mistral", window=WINDOW_SHARD), Case("llama", habit="grad_ckpt")],
+    "sc++": [Case("qwen2"), Case("mistral", window=WINDOW_SHARD), Case("llama", habit="grad_ckpt"),
+             Case("gpt_neox", habit="labels_no_position_ids")],
     "memo-alpha0": [Case("qwen2"),
                     Case("gemma3", window=WINDOW_SHARD, habit="packed_use_cache_false")],
     "memo-alpha1": [Case("granite"), Case("qwen2", habit="padding")],

@@ -89,7 +89,8 @@ def graph_input_index(gm: torch.fx.GraphModule, name: str) -> int | None:
 
 
 def checking_positions(compiled: Callable, gm: torch.fx.GraphModule, mesh: Any,
-                       found: dict[int, str], balanced_exact: bool = False
+                       found: dict[int, str], balanced_exact: bool = False,
+                       labels_shifted: bool = False, made_positions: Sequence[int] = ()
                        ) -> tuple[Callable, dict[str, Any] | None]:
     """``compiled``, checking its position ids before each call when ``gm`` takes them and
     ``mesh`` splits sequences over more than one rank; and the report's summary of that
@@ -99,22 +100,39 @@ def checking_positions(compiled: Callable, gm: torch.fx.GraphModule, mesh: Any,
     (index -> how); the input named ``position_ids`` is checked too (positions used only as
     an index, by a learned position embedding, look like token ids to the flow).
     ``balanced_exact``: the graph computes documents in the balanced order exactly (the
-    attention pass's fact), so ``BALANCED`` positions are let through to be verified there."""
+    attention pass's fact), so ``BALANCED`` positions are let through to be verified there.
+    ``labels_shifted``: the graph shifts labels in the sequence's order (``sequence_loss``),
+    which is not the balanced order's: ``BALANCED`` positions are refused, saying so.
+    ``made_positions``: the graph numbers its tokens with the layout's positions
+    (``made_positions``); these inputs (its token data) are checked to differ between the ranks
+    of the sequence."""
     if mesh is None or mesh.sp == 1:
         return compiled, None
     found = dict(found)
     named = graph_input_index(gm, "position_ids")
     if named is not None:
         found[named] = ", ".join([found[named], "its name"] if named in found else ["its name"])
+    if made_positions and not found:
+        check = SameTokensCheck(mesh, list(made_positions))
+
+        def checked_tokens(*args: Any) -> Any:
+            check(args)
+            return compiled(*args)
+
+        return checked_tokens, {"matched": len(made_positions), "position_ids": None, "result": (
+            "the graph numbers its tokens with the layout's positions (made_positions): before "
+            f"each call the {mesh.sp} ranks of the sequence compare a checksum of their token "
+            "inputs (one all-gather of two numbers each) and refuse a batch that every rank "
+            "holds whole")}
     if not found:
         return compiled, {"matched": 0, "position_ids": None, "result": (
             "no input of this graph is positions (none is named position_ids, and none reaches "
             "RoPE's angle or a mask's documents): nothing to check at run time (positions the "
             "model makes from the local length are refused by token_locality)")}
     sources = placeholder_sources(gm)
-    balanced_exact = balanced_exact and mesh.cp > 1
+    balanced_exact = balanced_exact and mesh.cp > 1 and not labels_shifted
     checks = [PositionCheck(mesh, index, None if index == named else sources[index],
-                            balanced_exact) for index in sorted(found)]
+                            balanced_exact, labels_shifted) for index in sorted(found)]
 
     def checked(*args: Any) -> Any:
         for check in checks:
@@ -134,11 +152,12 @@ class PositionCheck:
     got them, when not as ``position_ids``) with the layout of ``mesh`` at each call."""
 
     def __init__(self, mesh: Any, index: int, source: str | None = None,
-                 balanced_exact: bool = False):
+                 balanced_exact: bool = False, labels_shifted: bool = False):
         self.mesh = mesh
         self.index = index
         self.source = source
         self.balanced_exact = balanced_exact
+        self.labels_shifted = labels_shifted
         self.place = mesh.sp_ranks.index(mesh.rank)
         self._expected: dict[tuple, torch.Tensor] = {}
 
@@ -157,7 +176,7 @@ class PositionCheck:
             if bad}
         if failing:
             raise _error(failing, self.mesh, positions.shape[-1] if positions.dim() else 0,
-                         self.detail(positions), self.source)
+                         self.detail(positions), self.source, self.labels_shifted)
 
     def verdict(self, positions: torch.Tensor) -> torch.Tensor:
         """``(verdict, holds 0..S_local-1)`` of this rank, as a device tensor (no host read)."""
@@ -237,7 +256,7 @@ def describe(positions: torch.Tensor, most: int = 4) -> str:
 
 
 def _error(failing: dict[int, Verdict], mesh: Any, local_len: int, detail: str,
-           source: str | None) -> LoongError:
+           source: str | None, labels_shifted: bool = False) -> LoongError:
     """The same error class and rule on every rank of the sequence; each adds its own detail."""
     worst = max(failing.values())
     causes = "; ".join(f"rank {rank}: {CAUSES[v]}" for rank, v in sorted(failing.items()))
@@ -249,6 +268,14 @@ def _error(failing: dict[int, Verdict], mesh: Any, local_len: int, detail: str,
     shard = ("cut each full (B, S) batch with loong_compile.shard_batch(input_ids, labels, mesh) "
              f"for mesh = init_mesh(hp={mesh.hp}, cp={mesh.cp}, placement={mesh.placement!r}) "
              "and pass position_ids=batch.position_ids")
+    if worst is Verdict.BALANCED and labels_shifted:
+        return LoongShapeError(
+            what, "the model shifts its labels by one token (labels= without shift_labels=), "
+            "which is the next token of the sequence; in shard_batch's balanced order the next "
+            "token of a reordered row is not the next of its document",
+            "pass labels=batch.labels, shift_labels=batch.labels and "
+            "num_items_in_batch=batch.num_labels (shard_batch shifted them in each document), "
+            "or cut the batch without balance_documents")
     if worst is Verdict.BALANCED:
         return LoongShapeError(
             what, "documents in shard_batch's balanced order are exact only where every "
@@ -264,3 +291,37 @@ def _error(failing: dict[int, Verdict], mesh: Any, local_len: int, detail: str,
         what, "under hp*cp > 1 a rank holds some tokens of a longer sequence; its position_ids "
         "are their global positions in the layout (see docs/usage.md, \"Sharding the inputs\")",
         shard)
+
+
+class SameTokensCheck:
+    """Refuses, on every rank of the sequence, a call whose token inputs (``indices``) are the
+    same on all of them: what a batch fed whole to every rank looks like.  A rank of a graph
+    that numbers its tokens with the layout's positions has no position ids that could tell."""
+
+    def __init__(self, mesh: Any, indices: list[int]):
+        self.mesh = mesh
+        self.indices = indices
+
+    def __call__(self, args: Sequence[Any]) -> None:
+        tensors = [args[i] for i in self.indices if isinstance(args[i], torch.Tensor)]
+        if not tensors:
+            return
+        device = tensors[0].device
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        for t in tensors:  # a sum and a weighted sum: equal tensors give equal checksums
+            flat = t.detach().reshape(-1).to(torch.float64)
+            sums += torch.stack([flat.sum(), (flat * torch.arange(
+                1, flat.numel() + 1, device=device, dtype=torch.float64).sqrt()).sum()])
+        parts = [torch.empty_like(sums) for _ in range(self.mesh.sp)]
+        dist.all_gather(parts, sums, group=resolve_process_group(self.mesh.group_names["sp"]))
+        if all(torch.equal(p, parts[0]) for p in parts[1:]):
+            shape = tuple(tensors[0].shape)
+            raise LoongShapeError(
+                f"every one of the {self.mesh.sp} ranks of the sequence holds the same tokens "
+                f"({shape}), and the model is called without position_ids",
+                "under hp*cp > 1 a rank holds its share of a longer sequence; the model numbers "
+                "its tokens with the layout's positions, which is right only for a batch cut with "
+                "shard_batch (a sequence whose shards are all equal is refused with it)",
+                "cut each full (B, S) batch with loong_compile.shard_batch(input_ids, labels, "
+                f"mesh) for mesh = init_mesh(hp={self.mesh.hp}, cp={self.mesh.cp}) and pass "
+                "batch.input_ids (and position_ids=batch.position_ids)")

@@ -4,7 +4,8 @@ Importing this package registers the custom ops ``torch.ops.loong.ring_attention
 (returns ``(out, lse)``) and ``ring_attention_bwd``, ``masked_attention_fwd`` /
 ``masked_attention_bwd`` with ``masked_attention_plan`` (the step's mask, made once),
 ``sequence_document_ids`` and ``lm_head_loss`` (the token-chunked
-LM head and loss).  ``seq_all_to_all`` is functional
+LM head and loss), and (``ops/sequence.py``) ``next_token_labels``, ``sequence_label_count`` and
+``layout_positions``, what a rank's graph needs of the whole sequence.  ``seq_all_to_all`` is functional
 collectives (``_c10d_functional``), not an op of ours.
 """
 
@@ -14,11 +15,12 @@ from loong_compile.ops.comm import comm_counters, reset_comm_counters
 from loong_compile.ops.documents import sequence_document_ids
 from loong_compile.ops.lm_head import lm_head_loss
 from loong_compile.ops.ring import merge_partial, ring_attention_bwd, ring_attention_fwd
+from loong_compile.ops.sequence import layout_positions, next_token_labels, sequence_label_count
 from loong_compile.ops.step_mask import masked_attention_plan
 
 __all__ = [
-    "attention_2d", "check_attention_inputs", "comm_counters", "lm_head_loss", "masked_attention_plan",
-    "merge_partial",
+    "attention_2d", "check_attention_inputs", "comm_counters", "layout_positions", "lm_head_loss",
+    "masked_attention_plan", "merge_partial", "next_token_labels", "sequence_label_count",
     "reset_comm_counters", "ring_attention_bwd", "ring_attention_fwd", "seq_all_to_all",
     "sequence_document_ids",
 ]

@@ -9,5 +9,7 @@ document ids / padding / window (fact ``attention_sites``), for the token-safety
 removed), ``mask_proof`` (what a mask means, by running its subgraph), ``input_roles`` (which
 graph inputs are the positions and the attention mask, by how they flow; fact
 ``position_inputs`` for the backend's input check), ``document_ids`` (the document-id graph a
-proven mask becomes) and ``model_facts`` are what it reads with.
+proven mask becomes) and ``model_facts`` are what it reads with.  ``made_positions`` is the
+second pass (under ``hp·cp > 1``): an ``arange`` of the rank's tokens that RoPE or a position
+embedding reads becomes the layout's positions (fact ``made_positions``).
 """

@@ -1,4 +1,7 @@
-"""Stage ``dynamo``, third: the LM head and the token-wise loss after it, token-chunked.
+"""Stage ``dynamo``: the loss.  Before the token-safety stage, ``sequence_loss`` makes
+transformers' label shift and a loss's mean the sequence's (``sequence_loss.SequenceLossPass``,
+under ``hp·cp > 1``); after it, last, the LM head and the token-wise loss after it are
+token-chunked:
 
 Needs: the Dynamo graph after the token-safety stage (which proved the loss, a local sum over
 a global count, on the graph the user wrote).  Leaves: ``loong_compile.ops.lm_head_loss`` in

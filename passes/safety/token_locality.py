@@ -41,6 +41,7 @@ import torch.fx
 
 from loong_compile.errors import LoongTokenMixingError
 from loong_compile.ops import attention_2d
+from loong_compile.ops.sequence import sequence_label_count
 from loong_compile.passes.attention.attention_2d import ATTENTION_SITES
 from loong_compile.passes.base import Pass, PassContext
 from loong_compile.passes.fx_util import module_path, source_line
@@ -138,7 +139,7 @@ class _Analysis:
                         self.inputs.append(node.name)
                 continue
             verdict = self.rows.visit(node)
-            if node.op not in ("call_function", "call_method"):
+            if node.op not in ("call_function", "call_method") or node.target in SEQUENCE_VALUES:
                 continue
             inputs = [a for a in node.all_input_nodes if a in self.tainted]
             name = op_name(node)
@@ -340,6 +341,8 @@ class _Analysis:
         self.findings.append((node, reason, fix))
 
 
+# ops whose result is a value of the whole sequence, the same on every rank of it: not token data
+SEQUENCE_VALUES = (sequence_label_count,)
 _SUM_FIX = ("sum the per-token losses and divide by the global count of label tokens: "
             "reduction='sum' / N (with transformers: pass num_items_in_batch=N), or compute the "
             "loss outside the compiled model")
