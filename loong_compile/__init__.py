@@ -36,11 +36,14 @@ _LAZY = {
     "next_token_loss": "loong_compile.loss",
     "NextTokenLoss": "loong_compile.loss",
 }
+# public subpackages, imported on first access (hf needs the [hf] extra)
+_SUBPACKAGES = {"hf"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _LAZY or name in _SUBPACKAGES:
+        module = importlib.import_module(_LAZY.get(name, f"{__name__}.{name}"))
+        value = module if name in _SUBPACKAGES else getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'loong_compile' has no attribute {name!r}")

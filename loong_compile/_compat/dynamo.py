@@ -101,3 +101,11 @@ def is_module_state(node) -> bool:
 
     source = getattr(node.meta.get("grapharg"), "source", None)
     return source is not None and is_from_unspecialized_param_buffer_source(source)
+
+
+def recompile_limit_raises():
+    """A context in which a frame that reaches Dynamo's recompile limit raises instead of
+    running uncompiled: under hp·cp > 1 an uncompiled model would run on a rank's local tokens
+    without 2D-Attention, silently wrong.  ``torch._dynamo.config.fail_on_recompile_limit_hit``
+    (False by default) is patched for the context only.  Checked against torch 2.11-2.15."""
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)

@@ -113,3 +113,23 @@ def test_held_ancestors_are_what_inductor_would_compute(monkeypatch):
     run_step("example", {"activations": "memo", "alpha": 0.5, "resident_layers": 0},
              lowering="inductor")
     assert any(holds for holds, _ in checked) and all(same for _, same in checked), checked
+
+
+def test_a_frame_past_the_recompile_limit_raises_inside_the_context_only():
+    """Dynamo runs a frame past its recompile limit uncompiled (on one rank's tokens, without
+    2D-Attention: silently wrong); ``recompile_limit_raises`` makes it raise, and only inside."""
+    from loong_compile._compat.dynamo import recompile_limit_raises
+
+    def scaled(x):
+        return x * 2
+
+    step = torch.compile(scaled, backend="eager", dynamic=False)
+    torch.compiler.reset()
+    with pytest.raises(Exception, match="(?i)recompile"):  # noqa: PT011 - Dynamo's own error type
+        with recompile_limit_raises():
+            for size in range(1, 40):
+                step(torch.ones(size))
+    torch.compiler.reset()
+    for size in range(1, 40):  # outside: Dynamo's default (run uncompiled), nothing raised
+        step(torch.ones(size))
+    torch.compiler.reset()
