@@ -301,6 +301,7 @@ class SameTokensCheck:
     def __init__(self, mesh: Any, indices: list[int]):
         self.mesh = mesh
         self.indices = indices
+        self._weights: dict[tuple, torch.Tensor] = {}
 
     def __call__(self, args: Sequence[Any]) -> None:
         tensors = [args[i] for i in self.indices if isinstance(args[i], torch.Tensor)]
@@ -310,8 +311,7 @@ class SameTokensCheck:
         sums = torch.zeros(2, dtype=torch.float64, device=device)
         for t in tensors:  # a sum and a weighted sum: equal tensors give equal checksums
             flat = t.detach().reshape(-1).to(torch.float64)
-            sums += torch.stack([flat.sum(), (flat * torch.arange(
-                1, flat.numel() + 1, device=device, dtype=torch.float64).sqrt()).sum()])
+            sums += torch.stack([flat.sum(), (flat * self._weights_for(flat)).sum()])
         parts = [torch.empty_like(sums) for _ in range(self.mesh.sp)]
         dist.all_gather(parts, sums, group=resolve_process_group(self.mesh.group_names["sp"]))
         if all(torch.equal(p, parts[0]) for p in parts[1:]):
@@ -325,3 +325,13 @@ class SameTokensCheck:
                 "cut each full (B, S) batch with loong_compile.shard_batch(input_ids, labels, "
                 f"mesh) for mesh = init_mesh(hp={self.mesh.hp}, cp={self.mesh.cp}) and pass "
                 "batch.input_ids (and position_ids=batch.position_ids)")
+
+    def _weights_for(self, flat: torch.Tensor) -> torch.Tensor:
+        """``sqrt(1..n)`` for ``n`` values on their device, made once per shape (every step)."""
+        key = (flat.numel(), flat.device)
+        if key not in self._weights:
+            if len(self._weights) >= _CACHED_LENGTHS:
+                self._weights.clear()
+            self._weights[key] = torch.arange(1, flat.numel() + 1, device=flat.device,
+                                              dtype=torch.float64).sqrt()
+        return self._weights[key]

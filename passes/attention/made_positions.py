@@ -97,9 +97,7 @@ class MadePositionsPass(Pass):
 def _counts_local_tokens(node: torch.fx.Node, tokens: int) -> bool:
     """``arange(T)``, ``arange(0, T)`` or ``arange(0, T, 1)`` of integers, ``T`` static."""
     value = example_value(node)
-    bounds = [a for a in node.args]
-    if len(bounds) == 1:
-        bounds = [0, *bounds]
+    bounds = [0, *node.args] if len(node.args) == 1 else list(node.args)
     if node_arg(node, "step", 2, 1) != 1 or len(bounds) < 2:
         return False
     start, end = bounds[0], bounds[1]
@@ -157,7 +155,9 @@ def _looks_up_weight(node: torch.fx.Node, index: torch.fx.Node) -> bool:
 
 
 def _token_axes(value: Any, tokens: int) -> int:
-    """How many axes of ``value`` are token axes (a floating tensor's last axis is its features)."""
+    """How many axes of ``value`` are token axes (a floating tensor's last axis is its features).
+    Stricter than ``token_locality``'s rule, which also skips the last axis of any 3-D tensor:
+    an integer or boolean ``(1, T, T)`` made of positions is the mask this check must see."""
     if not isinstance(value, torch.Tensor):
         return 0
     skip = value.dim() >= 2 and value.is_floating_point()
