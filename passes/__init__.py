@@ -34,6 +34,7 @@ def library_passes() -> list:
     from loong_compile.passes.activations.offload import OffloadPass
     from loong_compile.passes.activations.recompute import TokenSliceRecomputePass
     from loong_compile.passes.attention.attention_2d import Attention2DPass
+    from loong_compile.passes.attention.eager_attention import EagerAttentionPass
     from loong_compile.passes.attention.made_positions import MadePositionsPass
     from loong_compile.passes.loss.lm_head import LMHeadLossPass
     from loong_compile.passes.loss.sequence_loss import SequenceLossPass
@@ -45,6 +46,7 @@ def library_passes() -> list:
 
     return [
         # dynamo
+        EagerAttentionPass(),
         Attention2DPass(),
         MadePositionsPass(),
         SequenceLossPass(),

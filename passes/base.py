@@ -156,6 +156,14 @@ class Pass:
         raise NotImplementedError
 
 
+class ShardedPass(Pass):
+    """A pass for a sequence split over ranks: enabled when ``hp * cp > 1`` (a rank then holds
+    only its tokens, which is what these passes make exact or refuse)."""
+
+    def enabled(self, config: LoongConfig) -> bool:
+        return config.sp > 1
+
+
 def check_contracts(schedule: Sequence[GraphPass], off: dict[str, str], passes: Sequence[GraphPass]) -> None:
     """Raise ``LoongConfigError`` if a pass of ``schedule`` (the enabled passes, in pipeline
     order) requires a fact no pass before it provides.  ``off`` gives, per pass name left out

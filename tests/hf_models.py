@@ -193,9 +193,8 @@ ARCHITECTURES = {
 MOE = ("mixtral", "qwen3moe", "olmoe", "deepseek_v3_moe")
 
 
-# Architectures that mix tokens outside attention (a scan, a convolution, a chunked or sink-
-# extended softmax): refused by name under hp*cp > 1 (tests/test_trust_matrix.py).  MLPs dense
-# where the family allows it, so that the refusal is the mixing's, not the experts'.
+# Architectures that mix tokens outside attention (a scan, a convolution): refused by name under
+# hp*cp > 1 (tests/test_trust_matrix.py).  MLPs dense, so that the refusal is the mixing's.
 def _qwen3_next(attn, window):
     # gated delta rule (a causal conv1d and a chunked recurrence) in the linear-attention layer
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -214,14 +213,16 @@ def _falcon_h1(attn, window):
         mamba_d_conv=4, mamba_chunk_size=16))
 
 
+# Attention that is neither full nor windowed: chunked (Llama 4), with sinks (gpt-oss), with a
+# softcapped score (Gemma 2: refused by name).  Float32 where the experts' grouped_mm needs it.
 def _llama4(attn, window):
-    # chunked attention (tokens see only their own chunk of 16) on the first layer, NoPE on the
-    # second; dense MLPs
+    # chunked attention (tokens see only their own chunk of 16) on the first layer, NoPE (and its
+    # attention temperature) on the second, whose MLP is a mixture of experts
     from transformers import Llama4ForCausalLM, Llama4TextConfig
     return Llama4ForCausalLM(Llama4TextConfig(
         **_common(attn) | {"num_hidden_layers": 2}, head_dim=8, intermediate_size_mlp=48,
-        attention_chunk_size=16, moe_layers=[], no_rope_layers=[1, 0],
-        layer_types=["chunked_attention", "full_attention"]))
+        attention_chunk_size=16, moe_layers=[1], num_local_experts=4, num_experts_per_tok=1,
+        no_rope_layers=[1, 0], layer_types=["chunked_attention", "full_attention"]))
 
 
 def _gpt_oss(attn, window):
@@ -230,12 +231,19 @@ def _gpt_oss(attn, window):
     from transformers import GptOssConfig, GptOssForCausalLM
     return GptOssForCausalLM(GptOssConfig(
         **_common(attn) | {"num_hidden_layers": 2}, head_dim=8, num_local_experts=4,
-        num_experts_per_tok=2, experts_implementation="eager", sliding_window=window or 4096,
+        num_experts_per_tok=2, sliding_window=window or 4096,
         layer_types=["sliding_attention", "full_attention"]))
 
 
-MIXING_ARCHITECTURES = {"qwen3_next": _qwen3_next, "falcon_h1": _falcon_h1, "llama4": _llama4,
-                        "gpt_oss": _gpt_oss}
+def _gemma2(attn, window):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    return Gemma2ForCausalLM(Gemma2Config(
+        **_common(attn) | {"num_hidden_layers": 2}, head_dim=8, query_pre_attn_scalar=8,
+        attn_logit_softcapping=50.0, sliding_window=window or 4096))
+
+
+MIXING_ARCHITECTURES = {"qwen3_next": _qwen3_next, "falcon_h1": _falcon_h1}
+ATTENTION_VARIANTS = {"llama4": _llama4, "gpt_oss": _gpt_oss, "gemma2": _gemma2}
 WINDOWED = ("qwen2", "qwen3", "mistral", "gemma3", "phi3", "starcoder2", "exaone4", "cohere2")
 
 
@@ -243,5 +251,5 @@ def build(arch: str, attn: str = "sdpa", window: int | None = None,
           dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.nn.Module:
     """The model in train mode, weights drawn from ``seed``, cast to ``dtype``."""
     torch.manual_seed(seed)
-    model = (ARCHITECTURES | MIXING_ARCHITECTURES)[arch](attn, window)
+    model = (ARCHITECTURES | MIXING_ARCHITECTURES | ATTENTION_VARIANTS)[arch](attn, window)
     return model.to(dtype).train()

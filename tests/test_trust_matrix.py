@@ -1,5 +1,6 @@
-"""Exact or refused: eighteen Hugging Face architectures x attention x windows x users' habits,
-and four that mix tokens outside attention (refused whatever the habit).
+"""Exact or refused: 23 Hugging Face architectures x attention x windows x users' habits, three
+whose attention is chunked (Llama 4), has sinks (gpt-oss) or softcapped scores (Gemma 2,
+refused), and two that mix tokens outside attention (refused whatever the habit).
 
 The cells run a dozen per ``run_distributed`` call on the session's kept ranks
 (``trust_matrix.run_matrix``); a call that crashes or hangs is run again a cell per call, so
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import pytest
 
-from trust_matrix import WINDOW_SHARD, WINDOW_SHORT, Case, all_cases, judge, run_matrix
+from hf_models import ARCHITECTURES
+from trust_matrix import (
+    WINDOW_SHARD, WINDOW_SHORT, Case, all_cases, judge, reference, relative_error, run_matrix, tolerance)
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
 
@@ -37,27 +40,34 @@ REFUSED_HABITS = {
                                                  "without an attention_mask"]),
     "router_aux_loss": ("LoongTokenMixingError", ["load-balancing loss", "output_router_logits=False"]),
 }
-EAGER = ("LoongTokenMixingError", ["token x token", "attn_implementation='sdpa'"])
 # GPT-2's loss runs in a graph of its own after a graph break: no attention in it
 NO_ATTENTION = ("LoongTokenMixingError", ["no attention call", "allow_graphs_without_attention"])
-# what mixes tokens outside attention, named (issue 23); gpt-oss's sinks sit in its eager
-# attention (transformers refuses to build it with sdpa), refused there as any eager attention
+# what mixes tokens outside attention, named (issue 23)
 MIXING = {
     "qwen3_next": ("LoongTokenMixingError", ["conv1d", "slides over the token axis",
                                              "linear_attn", "hp=cp=1"]),
     "falcon_h1": ("LoongTokenMixingError", ["attention type is hybrid", "hp=cp=1"]),
-    "llama4": ("LoongUnsupportedError", ["attn_mask", "no document/padding/window structure",
-                                         "hp=cp=1"]),
-    "gpt_oss": ("LoongTokenMixingError", ["token x token", "eager_attention_forward", "hp=cp=1"]),
 }
+
+
+# Gemma 2's eager attention softcaps its scores (tanh), which 2D-Attention does not compute
+SOFTCAPPED = ("LoongUnsupportedError", ["attention written as ops", "softcapped score",
+                                        "attn_logit_softcapping", "hp=cp=1"])
+
+# a left-padded query sees no key: one process's eager softmax gives it the mean of every value
+# (the labels put it in the loss when the next token is real), which no kernel computes
+EAGER_PADDING = ("LoongUnsupportedError", ["attention written as ops", "hides padded keys",
+                                           "attn_implementation='sdpa'"])
 
 
 def expected(case: Case) -> tuple[str, list[str]] | None:
     """(error class, message words) for a refused case; None for an exact one."""
     if case.arch in MIXING:
         return MIXING[case.arch]
-    if case.attn == "eager":
-        return EAGER
+    if case.arch == "gemma2":
+        return SOFTCAPPED
+    if case.attn == "eager" and "padding" in case.habit:
+        return EAGER_PADDING
     if case.arch == "gpt2" and "labels" in case.habit:
         return NO_ATTENTION
     if case.habit == "experts_eager":  # a loop over the experts hit: Dynamo breaks the graph at
@@ -77,7 +87,8 @@ HP_CASES = [Case("mistral", window=WINDOW_SHORT), Case("llama"), Case("qwen3", h
             Case("falcon"), Case("granite", habit="shift_labels"),
             Case("llama", habit="grad_ckpt_reentrant"), Case("llama", habit="eval_no_grad"),
             Case("gpt2", habit="no_position_ids")]
-HP_CASES += [Case(arch, attn="eager" if arch == "gpt_oss" else "sdpa") for arch in MIXING]
+HP_CASES += [Case(arch) for arch in MIXING] + [Case("llama4"), Case("gpt_oss", attn="eager"),
+                                                Case("gemma2", attn="eager")]
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +106,11 @@ def test_case_is_exact_or_refused(outcomes, mesh, case):
     want = expected(case)
     if want is None:
         assert verdict == "exact", f"{case.name} on {mesh}: {verdict}: {detail}"
+        if case.attn == "eager" and case.arch in ARCHITECTURES:  # and float64-exact: one
+            # process with sdpa (which gpt-oss has not) computes the same
+            sdpa = Case(case.arch, "sdpa", case.window, case.habit)
+            error = relative_error(outcome[1:3], reference(sdpa))
+            assert error <= tolerance(sdpa), f"{case.name}: {error:.1e} from one process with sdpa"
         return
     error, words = want
     assert verdict == "refused", f"{case.name} on {mesh} must be refused, got {verdict}: {detail}"

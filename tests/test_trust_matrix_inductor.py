@@ -31,6 +31,13 @@ graph most:
   with padding.
 - memory plan: Falcon (its own SDPA call, parallel block) and the forward alone under
   ``torch.no_grad()`` (an inference graph).
+- attention written as ops (``attn_implementation="eager"``, made SDPA by
+  ``passes/attention/eager_attention.py`` before 2D-Attention): GPT-2 (none), Qwen2 and Mistral
+  with a window shorter than a rank's share (sc++: the SDPA cells they replace computed the same
+  graph after the rewrite), Gemma3 (memo, alpha 1) and Llama (memory plan); gpt-oss (none: sinks,
+  alternating windows, experts, float32).
+- chunked attention: Llama 4 (none: a chunked layer, a NoPE layer with its attention
+  temperature, experts, float32).
 - every policy: Mistral with packed documents in ``shard_batch(balance_documents=True)``'s
   order and a window shorter than a rank's share (the tokens reordered, the window counted in
   the document).
@@ -62,13 +69,14 @@ POLICIES = {
 }
 POLICY_CASES = {
     "none": [Case("gemma3", habit="grad_ckpt"), Case("llama", habit="grad_ckpt_reentrant"),
-             Case("cohere2", window=WINDOW_SHARD)],
-    "sc++": [Case("qwen2"), Case("mistral", window=WINDOW_SHARD), Case("llama", habit="grad_ckpt"),
-             Case("gpt_neox", habit="labels_no_position_ids")],
+             Case("cohere2", window=WINDOW_SHARD), Case("gpt2", attn="eager"), Case("llama4"),
+             Case("gpt_oss", attn="eager")],
+    "sc++": [Case("qwen2", attn="eager"), Case("mistral", attn="eager", window=WINDOW_SHARD),
+             Case("llama", habit="grad_ckpt"), Case("gpt_neox", habit="labels_no_position_ids")],
     "memo-alpha0": [Case("qwen2"),
                     Case("gemma3", window=WINDOW_SHARD, habit="packed_use_cache_false")],
-    "memo-alpha1": [Case("granite"), Case("qwen2", habit="padding")],
-    "memory_plan": [Case("falcon"), Case("llama", habit="eval_no_grad")],
+    "memo-alpha1": [Case("granite"), Case("qwen2", habit="padding"), Case("gemma3", attn="eager")],
+    "memory_plan": [Case("falcon"), Case("llama", habit="eval_no_grad"), Case("llama", attn="eager")],
 }
 # documents in shard_batch's balanced order (issue 24) with a window shorter than a rank's share:
 # the mask compares positions in the document, under every policy

@@ -13,6 +13,7 @@ from loong_compile.gpu_check.loopback import ring_attention, sdpa_reference
 from loong_compile.gpu_check.masked import check_masked_attention
 from loong_compile.gpu_check.measure import relative_error, require_cuda
 from loong_compile.gpu_check.report import Skip
+from loong_compile.gpu_check.sinks import check_sinks
 
 # Largest error relative to the reference's largest magnitude a half-precision user
 # accepts from an attention kernel (bf16 keeps 8 bits of mantissa, fp16 11).
@@ -287,6 +288,6 @@ def check_exposed_time(figures: dict) -> str:
 
 
 CHECKS = [("kernels", check_kernels), ("double_ring", check_double_ring),
-          ("masked_attention", check_masked_attention),
+          ("masked_attention", check_masked_attention), ("sinks", check_sinks),
           ("offload_overlap", check_offload_overlap), ("activation_memory", check_activation_memory),
           ("memory_plan", check_memory_plan), ("exposed_time", check_exposed_time)]

@@ -39,7 +39,7 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: flo
                  kv_inner_group: str = "", kv_outer_group: str = "", dkv_inner_group: str = "",
                  dkv_outer_group: str = "", return_lse: bool = False, enable_gqa: bool = True,
                  document_ids: Tensor | None = None, window: int | None = None,
-                 mask_plan: Tensor | None = None):
+                 mask_plan: Tensor | None = None, sinks: Tensor | None = None):
     """Distributed exact attention of this rank's tokens; ``(B, H, S/sp, D_v)``: q's batch,
     heads and tokens, v's head dim.
 
@@ -61,6 +61,10 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: flo
     K/V have q's head count or one head (which broadcasts); any other count
     raises ``LoongShapeError`` as SDPA raises.
 
+    ``sinks``: one logit per query head, ``(H,)``, that joins every query's softmax with a zero
+    value (gpt-oss's attention sinks, ops/sinks.py), counted once per query across every KV
+    block and rank; it gets its gradient.
+
     ``return_lse=True`` also returns the log-sum-exp per query row,
     ``(B, H, S/sp)`` in float32 (float64 for float64 inputs), not differentiable.
     Raises ``LoongShapeError`` / ``LoongMeshError`` before any collective; the
@@ -78,10 +82,19 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: flo
     if hp > kv_heads:  # LoongTrain §4.2: one KV head per HP rank
         k = k.repeat_interleave(hp // kv_heads, dim=1)
         v = v.repeat_interleave(hp // kv_heads, dim=1)
+    rows = None
+    if sinks is not None:  # per query row, so that the rows take their heads' sinks along
+        check_sinks(sinks, q)
+        rows = sinks.view(1, -1, 1, 1).expand(q.size(0), -1, q.size(2), 1)
     if hp > 1:
         q, k, v = seq_all_to_all([q, k, v], 1, 2, hp, hp_group)
+        if rows is not None:
+            (rows,) = seq_all_to_all([rows], 1, 2, hp, hp_group)
+    if rows is not None:
+        rows = rows.squeeze(-1)
     if document_ids is None and window is None:
-        out, lse = ring_attention_fwd(q, k, v, is_causal, scale, cp, inner_ring, *ring_groups)
+        out, lse = ring_attention_fwd(q, k, v, is_causal, scale, cp, inner_ring, *ring_groups,
+                                      rows)
     else:
         if document_ids is not None:
             document_ids = document_ids.to(torch.int64)
@@ -89,7 +102,7 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: flo
             mask_plan = masked_attention_plan(document_ids, seq_len, is_causal, window or 0, cp,
                                               dkv_outer_group)
         out, lse = masked_attention_fwd(q, k, v, document_ids, mask_plan, is_causal,
-                                        window or 0, scale, cp, dkv_outer_group)
+                                        window or 0, scale, cp, dkv_outer_group, rows)
     if hp > 1:
         (out,) = seq_all_to_all([out], 2, 1, hp, hp_group)
         if return_lse:
@@ -139,6 +152,14 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, hp: int, cp: int,
                              "build the arguments with "
                              "loong_compile.init_mesh(...).attention_kwargs()")
     check_sequence_length(seq * hp * cp, cp, hp)
+
+
+def check_sinks(sinks: Tensor, q: Tensor) -> None:
+    """Raise ``LoongShapeError`` unless ``sinks`` is one float logit per query head."""
+    if tuple(sinks.shape) != (q.size(1),) or not sinks.is_floating_point():
+        raise LoongShapeError(f"sinks of shape {tuple(sinks.shape)} and dtype {sinks.dtype}",
+                              f"sinks are one float logit per query head: ({q.size(1)},)",
+                              "pass the module's sinks parameter (one value per head)")
 
 
 def check_mask_inputs(document_ids: Tensor | None, window: int | None, is_causal: bool,

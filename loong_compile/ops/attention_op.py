@@ -1,9 +1,10 @@
 """The fake kernels and autograd that every 2D-Attention op pair shares (ring, masked).
 
-An attention op pair is a forward ``fwd(q, k, v, *tensors, *config) -> (out, lse)`` and a
-backward ``bwd(dout, q, k, v, out, lse, *tensors, *config) -> (dq, dk, dv)``: ``tensors``
+An attention op pair is a forward ``fwd(q, k, v, *tensors, *config, sinks=None) -> (out, lse)``
+and a backward ``bwd(dout, q, k, v, out, lse, *tensors, *config) -> (dq, dk, dv)``: ``tensors``
 are the forward's other tensor inputs (document ids, the step's mask handle), which the
-backward needs but which get no gradient; ``config`` are constants.  Outputs are contiguous
+backward needs but which get no gradient; ``config`` are constants; ``sinks`` (last, optional)
+the rows' sink logits, whose gradient comes from the forward's outputs (ops/sinks.py).  Outputs are contiguous
 whatever the inputs' strides: fake and real must agree, or a view that AOTAutograd planned
 on the fake strides fails at run time.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from loong_compile.ops.kernels import accumulation_dtype
+from loong_compile.ops.sinks import sinks_gradient
 
 
 def attention_outputs_like(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -36,14 +38,18 @@ def register_attention_op_pair(forward, backward, tensors: int = 0) -> None:
 
     def setup_context(ctx, inputs, output):
         q, k, v = inputs[:3]
-        ctx.config = inputs[3 + tensors:]
+        *ctx.config, sinks = inputs[3 + tensors:]   # the forward's last input: the sinks
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, *inputs[3:3 + tensors])
+        ctx.has_sinks = sinks is not None
+        ctx.save_for_backward(q, k, v, out, lse, sinks, *inputs[3:3 + tensors])
         ctx.mark_non_differentiable(lse)
 
     def backward_of(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse, *others = ctx.saved_tensors
-        dq, dk, dv = backward(grad_out.contiguous(), q, k, v, out, lse, *others, *ctx.config)
-        return dq, dk, dv, *([None] * (tensors + len(ctx.config)))
+        q, k, v, out, lse, sinks, *others = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        # out and lse count the sink: the backward's probabilities are the sink-including ones
+        dq, dk, dv = backward(grad_out, q, k, v, out, lse, *others, *ctx.config)
+        dsinks = sinks_gradient(grad_out, out, lse, sinks) if ctx.has_sinks else None
+        return dq, dk, dv, *([None] * (tensors + len(ctx.config))), dsinks
 
     forward.register_autograd(backward_of, setup_context=setup_context)

@@ -124,6 +124,26 @@ def _balanced_ids(positions: Tensor, chunks: int) -> tuple[Tensor, Tensor]:
     return ids.repeat(1, chunks), fits
 
 
+def chunked_document_ids(document_ids: Tensor | None, *, chunk: int, batch: int, seq_len: int,
+                         device: torch.device | str = "cpu") -> Tensor:
+    """``(B, S)`` ids under which chunked attention is document attention: a query sees a key
+    only in the same block of ``chunk`` tokens (Llama 4's ``attention_chunk_size``), counted
+    from the sequence's start, or with ``document_ids`` (contiguous documents numbered by
+    ``sequence_document_ids``) from its document's start, and only inside its document.  That is
+    transformers' ``chunked_overlay`` over token indices, and over positions for packed
+    documents, which the input check holds to restart at 0 at each document's start.  No
+    communication: the same on every rank."""
+    index = torch.arange(seq_len, device=device).expand(batch, -1)
+    if document_ids is None:
+        return (index // chunk).contiguous()
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start = torch.where(starts, index, torch.zeros_like(index)).cummax(1).values
+    per_document = -(-seq_len // chunk)
+    return torch.where(document_ids >= 0,
+                       document_ids * per_document + (index - start) // chunk, document_ids)
+
+
 @document_ids_op.register_fake
 def _(position_ids, key_padding, hp, cp, *group_names):
     return position_ids.new_empty((position_ids.size(0), position_ids.size(1) * hp * cp),

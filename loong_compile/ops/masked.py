@@ -39,6 +39,7 @@ from loong_compile.ops.kernels import accumulation_dtype, attention_backward, at
 from loong_compile.ops.mask_plan import Block, buffer_columns
 from loong_compile.ops.step_mask import StepMask, step_mask_of
 from loong_compile.ops.ring import kv_buffer, kv_gradients, kv_parts, merge_partial
+from loong_compile.ops.sinks import with_sinks
 
 KV_TAG, DKV_TAG = 1, 2
 
@@ -189,12 +190,13 @@ def _add_returned(masked: StepMask, dkv: Tensor, step: int, returned: DirectExch
                          tags=cudagraph_unsafe_tags())
 def masked_attention_fwd(q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor],
                          mask: Tensor, is_causal: bool, window: int, scale: float, cp: int,
-                         dkv_outer_group: str) -> tuple[Tensor, Tensor]:
+                         dkv_outer_group: str, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Masked attention forward over the CP group: ``(out, lse)``.  ``mask``: the step's
-    handle from ``masked_attention_plan`` of these ids, ``is_causal`` and ``window``."""
+    handle from ``masked_attention_plan`` of these ids, ``is_causal`` and ``window``;
+    ``sinks`` as for the ring (ops/sinks.py)."""
     masked = step_mask_of(mask, document_ids, q.size(2) * cp, is_causal, window, cp,
                           dkv_outer_group)
-    return masked_forward(q, k, v, masked, scale)
+    return with_sinks(*masked_forward(q, k, v, masked, scale), sinks)
 
 
 @torch.library.custom_op("loong::masked_attention_bwd", mutates_args=(),

@@ -29,6 +29,8 @@ thus computes the same amount, and no row is ever fully masked.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -37,6 +39,7 @@ from loong_compile.ops.attention_op import register_attention_op_pair
 from loong_compile.parallel.rules import ring_position
 from loong_compile.ops.comm import Exchange, group
 from loong_compile.ops.kernels import accumulation_dtype, attention_backward, attention_forward
+from loong_compile.ops.sinks import with_sinks
 
 ALL = slice(None)
 
@@ -182,11 +185,13 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                          tags=cudagraph_unsafe_tags())
 def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, cp: int,
                        inner_ring: int, kv_inner_group: str, kv_outer_group: str,
-                       dkv_inner_group: str, dkv_outer_group: str) -> tuple[Tensor, Tensor]:
-    """Double-Ring attention forward: ``(out, lse)`` of this rank's query rows (CP layout)."""
+                       dkv_inner_group: str, dkv_outer_group: str,
+                       sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Double-Ring attention forward: ``(out, lse)`` of this rank's query rows (CP layout);
+    ``sinks`` (``lse``'s shape): each row's sink logit joins its softmax (ops/sinks.py)."""
     ring = DoubleRing(cp, inner_ring, kv_inner_group, kv_outer_group, dkv_inner_group,
                       dkv_outer_group)
-    return ring_forward(q, k, v, is_causal, scale, ring)
+    return with_sinks(*ring_forward(q, k, v, is_causal, scale, ring), sinks)
 
 
 @torch.library.custom_op("loong::ring_attention_bwd", mutates_args=(),

@@ -1,5 +1,9 @@
 """Stage ``dynamo``, first: find every attention call, prove its mask, rewrite it to 2D-Attention.
 
+``eager_attention`` runs first (under ``hp·cp > 1``): attention written as ops (transformers'
+eager chain, gpt-oss's sinks) becomes an SDPA call (``ops.sinks.sdpa_with_sinks`` with sinks),
+or is refused naming the step SDPA cannot express (a softcap, a score bias, a live dropout).
+
 Needs: the Dynamo FX graph (torch IR, ``nn_module_stack`` and sources on every node) and the
 module being compiled (``model_facts``: windows and RoPE decided from the sequence length).
 Leaves: every attention call replaced by ``loong_compile.ops.attention_2d`` with its mask as

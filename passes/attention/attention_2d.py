@@ -10,7 +10,8 @@ Contract
 stage:    dynamo (torch IR, before AOTAutograd)
 applies:  when ``hp * cp > 1``
 matches:  ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
-          enable_gqa)`` and flash-attn's ``flash_attn_func`` (as Dynamo traces it: its
+          enable_gqa)``, ``ops.sinks.sdpa_with_sinks`` (its ``sinks`` passed on) and
+          flash-attn's ``flash_attn_func`` (as Dynamo traces it: its
           autograd.Function around ``torch.ops.flash_attn._flash_attn_forward``, recognised by
           ``passes/attention/flash_match.py``), in the graph and in the bodies of activation checkpointing; KV heads repeated before the call by
           ``repeat_kv`` (``x[:, :, None].expand(...).reshape(...)``) or
@@ -25,11 +26,16 @@ emits:    one ``loong_compile.ops.attention_2d`` call per site, on the un-repeat
           ``passes/attention/document_ids.py``) and ``window=``; the mask's own subgraph dies.  A window
           the local length cannot show (``L <= W < S``) comes from the module's
           ``sliding_window`` (``model_facts``): on a masked call, and on a causal call without a
-          mask (transformers skipped the mask because the local length fits the window).
+          mask (transformers skipped the mask because the local length fits the window).  A
+          chunked layer's blocks (seen in the mask, or the module's ``attention_chunk_size`` by
+          the window's rules) become document ids of the blocks (``chunked_document_ids``);
+          ``sdpa_with_sinks``' logits become ``sinks=``.
 refuses:  (``LoongUnsupportedError`` naming the node, its source line, the reason and the fix)
           an ``attn_mask`` the probes do not prove (saying what built it and what it did
           instead), ``dropout_p > 0``, attention inside another higher-order op's body, a
-          flash-attn ``window_size``; (``LoongTokenMixingError``) a window the module declares
+          flash-attn ``window_size``, key padding on a call ``eager_attention`` wrote (fact
+          ``eager_calls``: one process gives a query that sees no key the mean of its row's
+          values); (``LoongTokenMixingError``) a window the module declares
           that the call contradicts (a mask without it although the local length shows it, a
           non-causal call, a dynamic length), a RoPE that changes with the sequence length
           beyond its threshold.
@@ -56,9 +62,11 @@ import torch.nn.functional as F
 
 from loong_compile.errors import LoongTokenMixingError, LoongUnsupportedError
 from loong_compile.ops import attention_2d
+from loong_compile.ops.sinks import sdpa_with_sinks
 from loong_compile.passes.attention import input_roles, model_facts
-from loong_compile.passes.base import Pass, PassContext
+from loong_compile.passes.base import PassContext, ShardedPass
 from loong_compile.passes.attention.document_ids import DocumentIds
+from loong_compile.passes.attention.eager_attention import EAGER_CALLS
 from loong_compile.passes.attention.flash_match import match_flash_attn
 from loong_compile.passes.fx_util import ancestors, autocast_dtypes, module_path, source_line
 from loong_compile.passes.attention.kv_repeat import shape, unrepeated_kv
@@ -66,10 +74,13 @@ from loong_compile.passes.attention.input_roles import Prover
 from loong_compile.passes.attention.mask_proof import MaskMeaning, MaskNotProven
 from loong_compile.passes.subgraphs import Scope, drop_unused_operands, graph_scopes
 
-SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
+SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention,
+                sdpa_with_sinks)
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
-                 "enable_gqa": False}
+                 "enable_gqa": False, "sinks": None}
+# eager_attention's form of gpt-oss's chain: SDPA with one sink logit per head
+SINKS_PARAMS = ("query", "key", "value", "sinks", "attn_mask", "scale")
 FLASH_DEFAULTS = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
                   "softcap": 0.0, "alibi_slopes": None, "deterministic": False,
                   "return_attn_probs": False}
@@ -83,13 +94,11 @@ MASK_FIX = ("build the mask as transformers does, from position_ids (packed docu
 ATTENTION_SITES = "attention_sites"
 
 
-class Attention2DPass(Pass):
+class Attention2DPass(ShardedPass):
     name = "attention_2d"
     stage = "dynamo"
     provides = (ATTENTION_SITES, input_roles.POSITION_INPUTS, input_roles.BALANCED_EXACT)
-
-    def enabled(self, config) -> bool:
-        return config.sp > 1
+    uses = (EAGER_CALLS,)
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
         root = model_facts.compiled_module(gm)
@@ -106,6 +115,10 @@ class Attention2DPass(Pass):
         prover = Prover(scopes, input_roles.rope_positions(gm, scopes))
         documents = DocumentIds(gm, scopes, prover.input, ctx.mesh)
         autocast: dict = {}   # (graph, device type) -> autocast's dtype at each node
+        eager = ctx.state.get(EAGER_CALLS, set())
+        for scope, node in sites:
+            if node in eager:
+                _refuse_eager_padding(node, prover)
         rewritten = [_rewrite(scope, node, ctx, root, prover, documents, autocast)
                      | {"inside": scope.hop} for scope, node in sites]
         dropped = drop_unused_operands(scopes)
@@ -158,7 +171,8 @@ def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn
     graph = scope.module.graph
     flash = match_flash_attn(node)
     is_flash = flash is not None
-    args = _flash_args(flash) if is_flash else _bind(node, SDPA_PARAMS, SDPA_DEFAULTS)
+    params = SINKS_PARAMS if node.target is sdpa_with_sinks else SDPA_PARAMS
+    args = _flash_args(flash) if is_flash else _bind(node, params, SDPA_DEFAULTS)
     if is_flash:
         q, k, v = args["q"], args["k"], args["v"]
         causal, scale = args["causal"], args["softmax_scale"]
@@ -183,12 +197,16 @@ def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn
                 "pass Python bool/float values")
     tokens = _static(shape(q)[1 if is_flash else 2])
     window, window_from = _window(node, root, causal, tokens, ctx.config.sp, meaning)
+    chunk, chunk_from = _chunk(node, root, causal, tokens, ctx.config.sp, meaning)
     try:
         document_ids = documents.for_call(meaning, scope)
     except MaskNotProven as e:
         _refuse(node, f"its attn_mask is {meaning.describe()}, but {e}",
                 "pass position_ids=batch.position_ids (and attention_mask=batch.attention_mask) "
                 "from loong_compile.shard_batch to the model")
+    if chunk is not None:
+        document_ids = documents.chunked(document_ids, chunk, shape(q)[0], tokens * ctx.config.sp,
+                                         scope, _example(q))
 
     cast_to = None if is_flash else _autocast_dtype(graph, node, q, autocast)
     if cast_to is not None:
@@ -204,6 +222,8 @@ def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn
     kwargs = {"is_causal": causal, "scale": None if scale is None else float(scale),
               "enable_gqa": is_flash or unrepeat or bool(args["enable_gqa"]),
               **ctx.mesh.attention_kwargs()}
+    if not is_flash and args["sinks"] is not None:
+        kwargs["sinks"] = args["sinks"]
     if document_ids is not None:
         kwargs["document_ids"] = document_ids
     if window is not None:
@@ -231,13 +251,31 @@ def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn
             "proven": meaning.describe(), "probes": list(meaning.probes),
             "built": _mask_cause(args["attn_mask"])},
         "document_ids": None if document_ids is None else document_ids.name,
-        "documents_alone": meaning is not None and meaning.documents and not meaning.padding,
+        "sinks": None if is_flash or args["sinks"] is None else args["sinks"].name,
+        "chunk": chunk, "chunk_from": chunk_from,
+        "documents_alone": (meaning is not None and meaning.documents and not meaning.padding
+                            and chunk is None),
         "scale": kwargs["scale"] if scale is not None else 1 / math.sqrt(_head_dim(q)),
         "scale_specialised": scale_specialised,
         "autocast_dtype": None if cast_to is None else str(cast_to).removeprefix("torch."),
         "hp": ctx.config.hp, "cp": ctx.config.cp, "inner_ring": ctx.config.inner_ring,
         "placement": ctx.config.placement,
     }
+
+
+def _refuse_eager_padding(node: torch.fx.Node, prover: Prover) -> None:
+    """An eager chain's mask that hides padded keys: one process gives a query that sees no key
+    (a left-padded token, whose output transformers' labels put in the loss when the next token
+    is real) the mean of every value in its row (the additive mask's uniform softmax; NaN in
+    float64), which no attention kernel computes."""
+    mask = node.kwargs.get("attn_mask")
+    meaning = None if mask is None else _prove(node, mask, prover)
+    if meaning is not None and meaning.padding:
+        _refuse(node, "it is attention written as ops whose mask hides padded keys: a query that "
+                      "sees no key (left padding) gets, in one process, the mean of every value "
+                      "of its row (NaN in float64), which 2D-Attention does not compute",
+                "use attn_implementation='sdpa', pad on the right, or pack the documents "
+                "(position_ids) instead of padding them")
 
 
 def _flash_args(call) -> dict[str, Any]:
@@ -302,7 +340,8 @@ def _window(node: torch.fx.Node, root, causal: bool, tokens: int | None, sp: int
         module_window = model_facts.sliding_window(attention, root)
     except model_facts.UnknownLayerType as kind:
         _refuse(node, f"its layer's attention type is {kind}, and 2D-Attention knows the masks "
-                      f"of {model_facts.FULL_LAYER} and {model_facts.WINDOWED_LAYER} only",
+                      f"of {model_facts.FULL_LAYER}, {model_facts.WINDOWED_LAYER} and "
+                      f"{model_facts.CHUNKED_LAYER} only",
                 "run with hp=cp=1", error=LoongTokenMixingError)
     seen = meaning.window if meaning is not None else None
     mask = "no mask" if meaning is None else f"a mask proven to be {meaning.describe()}"
@@ -313,22 +352,52 @@ def _window(node: torch.fx.Node, root, causal: bool, tokens: int | None, sp: int
                 "set sliding_window=None (or >= the sequence length) in the config to train "
                 "with full causal attention, or run with hp=cp=1", error=LoongTokenMixingError)
 
+    return _seen_or_declared("window", seen, module_window, causal, tokens, sp, refuse)
+
+
+def _seen_or_declared(noun: str, seen: int | None, declared: int | None, causal: bool,
+                      tokens: int | None, sp: int, refuse) -> tuple[int | None, str | None]:
+    """A window's or a chunk's size: what the mask shows (it must be what the module declares),
+    else the module's when shorter than the global sequence, which a rank's mask of ``tokens``
+    cannot show only when the size is at least ``tokens``."""
     if seen is not None:
-        if module_window != seen:
-            refuse(f"the mask's window is {seen}")
+        if declared != seen:
+            refuse(f"the mask's {noun} is {seen}")
         return seen, "mask"
-    if module_window is None:
+    if declared is None:
         return None, None
     if tokens is None:
-        refuse("the length is dynamic, so whether the window matters cannot be decided")
-    if module_window >= tokens * sp:
+        refuse(f"the length is dynamic, so whether the {noun} matters cannot be decided")
+    if declared >= tokens * sp:
         return None, None
     if not causal:
-        refuse("2D-Attention applies windows to causal attention only")
-    if module_window < tokens:
-        refuse(f"the window is shorter than this rank's {tokens} tokens, yet the model applied "
+        refuse(f"2D-Attention applies a {noun} to causal attention only")
+    if declared < tokens:
+        refuse(f"the {noun} is shorter than this rank's {tokens} tokens, yet the model applied "
                "none")
-    return module_window, "module"
+    return declared, "module"
+
+
+def _chunk(node: torch.fx.Node, root, causal: bool, tokens: int | None, sp: int,
+           meaning: MaskMeaning | None) -> tuple[int | None, str | None]:
+    """The chunk of chunked attention (None: none shorter than the global sequence) and where it
+    came from, by the window's rules (``_window``): seen in the mask when shorter than the local
+    length, else the module's ``attention_chunk_size``.  Chunks count tokens by their index in
+    the sequence, as one process does; key padding would shift them per row (refused)."""
+    module_chunk = model_facts.chunk_size(model_facts.module_of(root, node), root)
+    seen = meaning.chunk if meaning is not None else None
+
+    def refuse(reason: str) -> NoReturn:
+        _refuse(node, f"its layer is chunked attention with attention_chunk_size={module_chunk} "
+                      f"and the call has {'no mask' if meaning is None else meaning.describe()} "
+                      f"(is_causal={causal}): {reason}",
+                "train without padding in the batch (pack documents instead), or run with "
+                "hp=cp=1", error=LoongTokenMixingError)
+
+    chunk, source = _seen_or_declared("chunk", seen, module_chunk, causal, tokens, sp, refuse)
+    if chunk is not None and meaning is not None and meaning.padding:
+        refuse("transformers counts each row's chunks from its left padding")
+    return chunk, source
 
 
 def _mask_cause(mask: Any) -> str:

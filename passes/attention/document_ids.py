@@ -13,7 +13,9 @@ plan's handle.
 
 Kinds of ids: documents from the position ids (with or without key padding), and padding alone (a
 mask that reads the attention mask but not the positions, as transformers builds whenever an
-attention mask is given): the same ids with every document number set to 0.
+attention mask is given): the same ids with every document number set to 0; either (or one
+document) split into blocks of a chunk's tokens for chunked attention (``chunked_document_ids``,
+no communication).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.fx
 
 from loong_compile.ops import sequence_document_ids
+from loong_compile.ops.documents import chunked_document_ids
 from loong_compile.passes.attention.mask_proof import PADDING, POSITIONS, MaskMeaning, MaskNotProven
 from loong_compile.passes.subgraphs import Scope, add_operand, parent_of
 
@@ -45,6 +48,19 @@ class DocumentIds:
         if meaning is None or not (meaning.documents or meaning.padding):
             return None
         return self._in_scope(self._top(meaning.documents, meaning.padding), scope)
+
+    def chunked(self, document_ids: torch.fx.Node | None, chunk: int, batch: int, seq_len: int,
+                scope: Scope, example: torch.Tensor) -> torch.fx.Node:
+        """Ids that also split the sequence into blocks of ``chunk`` tokens (chunked attention),
+        from the call's ids (None: one document); made once per graph, chunk and ids."""
+        top_ids = self._top_of(document_ids)
+        key = ("chunked", top_ids, chunk, batch, seq_len)
+        if key not in self._made:
+            self._made[key] = self._call(
+                chunked_document_ids, (top_ids,),
+                {"chunk": chunk, "batch": batch, "seq_len": seq_len, "device": example.device},
+                example.fake_mode)
+        return self._in_scope(self._made[key], scope)
 
     def plan_for(self, document_ids: torch.fx.Node | None, seq_len: int, is_causal: bool,
                  window: int | None, scope: Scope, fake_mode) -> torch.fx.Node:

@@ -14,7 +14,9 @@ What is proven before the rewrite, on the graph, never from a name:
   integer) where ``T`` is the local token count;
 * it is read as positions: the values computed from it alone (and from the model's weights and
   constants: its *positions-only* values) include an angle (``cos``, ``sin``, ``polar``: RoPE),
-  or a lookup in a weight indexed by it (a learned position embedding, a cos/sin table);
+  a lookup in a weight indexed by it (a learned position embedding, a cos/sin table), or a cast
+  to a float (a number made from the position, as Llama 4's attention temperature on its NoPE
+  layers: an index would stay an integer);
 * those positions-only values hold one token axis at most: a value with two (a ``T x T``
   comparison, which is what a mask made of positions is) would pair a rank's tokens with its own
   only, so the ``arange`` is left as it is and ``token_locality`` refuses it by name.
@@ -44,7 +46,7 @@ import torch
 import torch.fx
 
 from loong_compile.ops.sequence import layout_positions
-from loong_compile.passes.base import Pass, PassContext
+from loong_compile.passes.base import PassContext, ShardedPass
 from loong_compile.passes.fx_util import insert_dynamo_call, source_line
 from loong_compile.passes.safety.token_locality import local_token_count
 from loong_compile.passes.safety.token_ops import (
@@ -56,13 +58,10 @@ ANGLES = {"cos", "sin", "polar"}
 LOOKUPS = {"embedding", "getitem", "index_select"}
 
 
-class MadePositionsPass(Pass):
+class MadePositionsPass(ShardedPass):
     name = "made_positions"
     stage = "dynamo"
     provides = (MADE_POSITIONS,)
-
-    def enabled(self, config) -> bool:
-        return config.sp > 1
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
         graph = gm.graph
@@ -121,7 +120,7 @@ def _token_data(inputs: list[torch.fx.Node]) -> set[torch.fx.Node]:
 def _read_as_positions(arange: torch.fx.Node, tokens: int,
                        data: set[torch.fx.Node]) -> tuple[str | None, str]:
     """(what reads the values as positions, "") when proven; (None, why not) otherwise."""
-    region, todo, read_as = {arange}, [arange], set()
+    region, todo, read_as, numbers = {arange}, [arange], set(), False
     while todo:
         node = todo.pop()
         for user in node.users:
@@ -132,14 +131,26 @@ def _read_as_positions(arange: torch.fx.Node, tokens: int,
                 read_as.add("RoPE's angle")
             elif name in LOOKUPS and _looks_up_weight(user, node):
                 read_as.add(f"a lookup in a weight ({name})")
+            elif _to_float(user):
+                numbers = True
             if _token_axes(example_value(user), tokens) > 1:
                 return None, (f"{user.name} ({name}) pairs the numbers with each other "
                               f"{tuple(example_value(user).shape)}: a mask of the local tokens")
             region.add(user)
             todo.append(user)
+    if not read_as and numbers:
+        read_as.add("a number made from it (a float cast: e.g. Llama 4's attention temperature)")
     if not read_as:
-        return None, "nothing reads it as positions (no angle, no lookup by it)"
+        return None, "nothing reads it as positions (no angle, no lookup by it, no float made of it)"
     return ", ".join(sorted(read_as)), ""
+
+
+def _to_float(node: torch.fx.Node) -> bool:
+    """A cast of the values to a floating dtype: a number computed from the position (an index
+    stays an integer)."""
+    value = example_value(node)
+    return (op_name(node) in ("float", "double", "half", "bfloat16", "to", "type")
+            and isinstance(value, torch.Tensor) and value.is_floating_point())
 
 
 def _looks_up_weight(node: torch.fx.Node, index: torch.fx.Node) -> bool:

@@ -58,6 +58,8 @@ class MaskMeaning:
     documents: bool       # documents from the position ids
     padding: bool         # keys where the attention mask is 0 are seen by nobody
     window: int | None    # a window seen within the local length (None: none shorter than it)
+    chunk: int | None = None  # chunked attention (Llama 4): blocks of this many tokens, by
+    # position with documents (a document's own blocks), by index without
     probes: tuple[str, ...] = dataclasses.field(default=(), compare=False)  # the evidence
 
     def reads(self, role: str) -> bool:
@@ -72,6 +74,8 @@ class MaskMeaning:
             parts.append("key padding from attention_mask")
         if self.window is not None:
             parts.append(f"window {self.window}")
+        if self.chunk is not None:
+            parts.append(f"chunks of {self.chunk} tokens")
         return ", ".join(parts)
 
 
@@ -88,12 +92,14 @@ def choose(results: list[tuple[Probe, torch.Tensor]], reads_padding: bool) -> Ma
     length = plain.shape[-1]
     seen_last = int(plain[-1].sum())
     windows = [None] + ([seen_last] if 0 < seen_last < length else [])
+    chunks = [None] + _chunk_sizes(plain)
     matching = []
-    for causal, documents, padding, window in itertools.product(
-            (True, False), (False, True), (False, True) if reads_padding else (False,), windows):
-        if window is not None and not causal:
+    for causal, documents, padding, window, chunk in itertools.product(
+            (True, False), (False, True), (False, True) if reads_padding else (False,), windows,
+            chunks):
+        if (window is not None or chunk is not None) and not causal or window and chunk:
             continue
-        meaning = MaskMeaning(causal, documents, padding, window)
+        meaning = MaskMeaning(causal, documents, padding, window, chunk)
         if all(_agrees(got, candidate_mask(p, meaning), p) for p, got in results):
             matching.append(meaning)
     names = tuple(p.name for p, _ in results)
@@ -119,7 +125,27 @@ def candidate_mask(probe: Probe, meaning: MaskMeaning) -> torch.Tensor:
         seen &= j <= i
     if meaning.window is not None:
         seen &= i - j < meaning.window
+    if meaning.chunk is not None:
+        # transformers' chunked_overlay counts by token index, or by position where it reads
+        # documents from the positions (remap_positions_for_packed_sequence)
+        block = (positions if meaning.documents else torch.arange(length)) // meaning.chunk
+        seen &= block[:, None] == block[None, :]
     return seen
+
+
+def _chunk_sizes(plain: torch.Tensor) -> list[int]:
+    """The chunk size the first probe's mask shows (one candidate at most): the first query that
+    does not see the key before it, when the whole mask is causal attention in blocks of that
+    many tokens, two at least (one would be every token alone: what documents of one token
+    give, a reading of the inputs the other probes must decide)."""
+    length = plain.shape[-1]
+    breaks = [i for i in range(1, length) if plain[i, i] and not plain[i, i - 1]]
+    if not breaks or breaks[0] < 2:
+        return []
+    i = torch.arange(length)[:, None]
+    j = torch.arange(length)[None, :]
+    chunked = (j <= i) & (i // breaks[0] == j // breaks[0])
+    return breaks[:1] if torch.equal(plain.reshape(-1, length, length)[0], chunked) else []
 
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
@@ -167,10 +193,16 @@ def probe_inputs(length: int, with_padding: bool, seed: int = 0) -> list[Probe]:
 
 
 def _marked(padding: torch.Tensor) -> torch.Tensor:
-    """An attention mask marking ``padding``'s real tokens by varied nonzero values (1, 2, 3):
+    """An attention mask marking ``padding``'s real tokens by varied nonzero values (1, 2, 3, 4):
     transformers and ``sequence_document_ids`` read any nonzero value as a real token, and a
-    mask that reads only 1 as one is not that structure."""
-    return padding.long() * (1 + torch.arange(padding.shape[0]) % 3)
+    mask that reads only 1 as one is not that structure.  The values count up in runs of
+    uneven length (2, 3, 1, 4): read as positions they make documents of uneven length, which
+    look like no window and no chunk."""
+    runs = itertools.cycle((2, 3, 1, 4))
+    marks: list[int] = []
+    while len(marks) < padding.shape[0]:
+        marks += range(1, next(runs) + 1)
+    return padding.long() * torch.tensor(marks[:padding.shape[0]])
 
 
 def _agrees(got: torch.Tensor, want: torch.Tensor, probe: Probe) -> bool:

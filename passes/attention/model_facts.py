@@ -61,10 +61,10 @@ def module_of(root: torch.nn.Module | None, node: torch.fx.Node) -> torch.nn.Mod
 
 
 class UnknownLayerType(ValueError):
-    """A layer whose attention type is neither full nor sliding-window attention."""
+    """A layer whose attention type is none of full, sliding-window and chunked attention."""
 
 
-FULL_LAYER, WINDOWED_LAYER = "full_attention", "sliding_attention"
+FULL_LAYER, WINDOWED_LAYER, CHUNKED_LAYER = "full_attention", "sliding_attention", "chunked_attention"
 
 
 def layer_type(attention: torch.nn.Module | None, config: Any) -> str | None:
@@ -96,7 +96,7 @@ def sliding_window(attention: torch.nn.Module | None, root: torch.nn.Module | No
     """
     config = getattr(attention, "config", None) or getattr(root, "config", None)
     kind = layer_type(attention, config)
-    if kind == FULL_LAYER:
+    if kind in (FULL_LAYER, CHUNKED_LAYER):
         return None
     if kind not in (None, WINDOWED_LAYER):
         raise UnknownLayerType(kind)
@@ -106,6 +106,16 @@ def sliding_window(attention: torch.nn.Module | None, root: torch.nn.Module | No
     if config is None or (kind is None and getattr(config, "use_sliding_window", True) is False):
         return None
     return _positive_int(getattr(config, "sliding_window", None))
+
+
+def chunk_size(attention: torch.nn.Module | None, root: torch.nn.Module | None) -> int | None:
+    """The block of tokens a chunked-attention layer (Llama 4: ``layer_types`` entry
+    ``chunked_attention``) keeps its queries in: the config's ``attention_chunk_size``; None for
+    any other layer."""
+    config = getattr(attention, "config", None) or getattr(root, "config", None)
+    if layer_type(attention, config) != CHUNKED_LAYER:
+        return None
+    return _positive_int(getattr(config, "attention_chunk_size", None))
 
 
 def length_dependent_rope(root: torch.nn.Module | None) -> tuple[str, int] | None:

@@ -49,7 +49,7 @@ import torch
 import torch.fx
 
 from loong_compile.ops.sequence import next_token_labels, sequence_label_count
-from loong_compile.passes.base import Pass, PassContext
+from loong_compile.passes.base import PassContext, ShardedPass
 from loong_compile.passes.fx_util import insert_dynamo_call, source_line
 from loong_compile.passes.safety.token_locality import local_token_count
 from loong_compile.passes.safety.token_ops import (
@@ -59,13 +59,10 @@ from loong_compile.passes.safety.token_ops import (
 LABELS_SHIFTED = "labels_shifted"
 
 
-class SequenceLossPass(Pass):
+class SequenceLossPass(ShardedPass):
     name = "sequence_loss"
     stage = "dynamo"
     provides = (LABELS_SHIFTED,)
-
-    def enabled(self, config) -> bool:
-        return config.sp > 1
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
         graph = gm.graph

@@ -56,6 +56,9 @@ Node = torch.fx.Node
 PROOF = "proof"  # a step of the dispatch itself: the token checks skip it
 
 _VIEWS = {"view", "reshape", "flatten", "contiguous", "clone", "detach"}
+_RESHAPES = {"view_as", "reshape_as", "expand", "expand_as", "unsqueeze", "squeeze", "unflatten",
+             "transpose", "permute", "narrow", "select", "getitem", "chunk", "split", "unbind"}
+_UPDATES = {"add", "sub", "mul", "div"}   # in place, on rows the graph made (_updates_own_rows)
 _INT_CASTS = {"long", "int"}
 _FRESH = {"empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros",
           "new_ones", "new_full", "empty", "zeros", "ones", "full"}
@@ -163,7 +166,7 @@ class RowPermutations:
         name = op_name(node)
         if node.op == "output":
             raise _Unproven("permuted rows leave the graph")
-        if writes(node) and name != "setitem":
+        if writes(node) and name != "setitem" and not self._updates_own_rows(node):
             raise _Unproven(f"{name} writes into permuted rows in place")
         if name == "getitem" and self._kind(node.args[0]) == "sort":
             self.facts[node] = Fact(("sorted", "perm")[node.args[1]], perm)
@@ -264,6 +267,15 @@ class RowPermutations:
             and _holds(example_value(node).dtype, perm.bound)
         self.facts[node] = Fact("sorted" if exact else "rows", perm)
         return None  # row-wise: the token checks still apply, along the rows too
+
+    def _updates_own_rows(self, node: Node) -> bool:
+        """An in-place elementwise op (``out.add_(bias)`` after a grouped matmul) on permuted
+        rows the graph made itself, not a view of another tensor: as its out-of-place form, it
+        changes each row alone (``_rowwise`` then checks the operands)."""
+        target = node.args[0] if node.args else None
+        return (op_name(node).removesuffix("_") in _UPDATES and self._kind(target) == "rows"
+                and isinstance(target, Node) and target.op == "call_function"
+                and op_name(target) not in _VIEWS | _RESHAPES)
 
     # -- reading nodes -----------------------------------------------------------------------
 

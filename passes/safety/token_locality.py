@@ -43,7 +43,7 @@ from loong_compile.errors import LoongTokenMixingError
 from loong_compile.ops import attention_2d
 from loong_compile.ops.sequence import sequence_label_count
 from loong_compile.passes.attention.attention_2d import ATTENTION_SITES
-from loong_compile.passes.base import Pass, PassContext
+from loong_compile.passes.base import PassContext, ShardedPass
 from loong_compile.passes.fx_util import module_path, source_line
 from loong_compile.passes.subgraphs import graph_scopes, hop_name
 from loong_compile.passes.safety.row_ops import writes
@@ -54,15 +54,12 @@ from loong_compile.passes.safety.token_ops import (
     from_input, full_slice, is_weight, node_arg, only_returned, op_name, reduced_dims)
 
 
-class TokenLocalityPass(Pass):
+class TokenLocalityPass(ShardedPass):
     name = "token_locality"
     stage = "dynamo"
     # Only the rewritten attention may combine tokens: the calls ``attention_2d`` rewrote are
     # the ones this analysis allows.
     requires = (ATTENTION_SITES,)
-
-    def enabled(self, config) -> bool:
-        return config.sp > 1
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
         tokens = local_token_count(gm)

@@ -232,3 +232,26 @@ def test_sequence_document_ids_on_one_process_numbers_runs_and_marks_padding():
     got = sequence_document_ids(positions, padding, hp=1, cp=1)
     assert got.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2, 2], [-1, -1, 0, 0, 1, 1, 1, 1, 1, 1]]
     assert sequence_document_ids(positions, hp=1, cp=1)[1].tolist() == [0] * 4 + [1] * 6
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one_document", "packed"])
+def test_chunked_document_ids_are_transformers_chunked_mask(packed):
+    """Same ids and causal order = transformers' chunked mask of the whole sequence (Llama 4):
+    blocks of the chunk by token index, or from each document's start when packed."""
+    import transformers.masking_utils as masking
+    from transformers import Llama4TextConfig
+
+    from loong_compile.ops.documents import chunked_document_ids, number_documents
+
+    seq, chunk = 40, 6
+    positions = (torch.cat([torch.arange(n) for n in (13, 4, 9, 14)]) if packed
+                 else torch.arange(seq))[None]
+    config = Llama4TextConfig(hidden_size=16, num_attention_heads=2, attention_chunk_size=chunk,
+                              attn_implementation="sdpa")
+    want = masking.create_chunked_causal_mask(
+        config=config, inputs_embeds=torch.zeros(1, seq, 16), attention_mask=None, cache=None,
+        position_ids=positions, allow_is_causal_skip=False)[0, 0]
+    documents = number_documents(positions, None, 1, 1) if packed else None
+    ids = chunked_document_ids(documents, chunk=chunk, batch=1, seq_len=seq)[0]
+    got = (ids[:, None] == ids[None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
+    assert torch.equal(got, want)

@@ -69,3 +69,13 @@ def test_a_mask_of_the_local_numbers_and_an_unread_arange_are_left():
     graph, summary, _ = run(lambda x: x + torch.arange(x.shape[1])[None, :, None],
                             torch.randn(B, T, D))
     assert not made(graph) and "nothing reads it as positions" in summary["left"][0]["reason"]
+
+
+def test_positions_made_into_numbers_become_the_layouts():
+    def temperature(x):  # Llama 4's NoPE layers scale q by a function of the token's position
+        pos = torch.arange(x.shape[1])
+        scale = torch.log1p(torch.floor((pos.float() + 1.0) / 4.0)) * 0.1 + 1.0
+        return x * scale[None, :, None]
+
+    graph, summary, _ = run(temperature, torch.randn(B, T, D))
+    assert made(graph) and "float cast" in summary["changed"][0]["read_as"]

@@ -46,10 +46,11 @@ PAD = torch.ones(B, L, dtype=torch.long)
     ("create_sliding_window_causal_mask", 5, False, MaskMeaning(True, True, False, 5)),
     ("create_sliding_window_causal_mask", 5, True, MaskMeaning(True, False, True, 5)),
     ("create_sliding_window_causal_mask", 40, False, MaskMeaning(True, True, False, None)),
+    ("create_chunked_causal_mask", None, False, MaskMeaning(True, True, False, None, chunk=4)),
 ])
 def test_transformers_masks_are_proven(make, window, padded, want):
     kw = {"attention_mask": PAD} if padded else {}
-    meaning = proven(hf_masked(make, window), *qkv(), POS, **kw)
+    meaning = proven(hf_masked(make, window, chunk=want.chunk), *qkv(), POS, **kw)
     assert meaning == want
     assert "packed" in meaning.probes and ("plain+left_padding" in meaning.probes) == padded
 
@@ -79,7 +80,6 @@ def _user_mask(q, k, v, position_ids, mask):
 
 
 @pytest.mark.parametrize("fn,extra,words", [
-    (hf_masked("create_chunked_causal_mask", chunk=4), (), "query 4 sees keys [4]"),
     (_prefix_lm, (), "query 0 sees keys [0, 1, 2, 3]"),
     (_scrambled, (), "no document/padding/window structure"),
     # a custom mask function (Gemma3's image tokens use one): transformers vmaps it
@@ -113,6 +113,8 @@ def test_candidate_mask_is_the_api_rule():
     docs = torch.tensor([-1, 0, 0, 1, 1, 2, 2, -1])
     want = (docs[i] == docs[j]) & (docs[j] >= 0) & (j <= i) & (i - j < 2)
     assert torch.equal(seen, want)
+    chunked = candidate_mask(Probe("t", pos, None), MaskMeaning(True, False, False, None, chunk=3))
+    assert torch.equal(chunked, (j <= i) & (i // 3 == j // 3))
 
 
 # --- which input is in which role: by flow, never by name (issue 23, observation 8) ----------
