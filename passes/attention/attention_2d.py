@@ -115,10 +115,6 @@ class Attention2DPass(ShardedPass):
         prover = Prover(scopes, input_roles.rope_positions(gm, scopes))
         documents = DocumentIds(gm, scopes, prover.input, ctx.mesh)
         autocast: dict = {}   # (graph, device type) -> autocast's dtype at each node
-        eager = ctx.state.get(EAGER_CALLS, set())
-        for scope, node in sites:
-            if node in eager:
-                _refuse_eager_padding(node, prover)
         rewritten = [_rewrite(scope, node, ctx, root, prover, documents, autocast)
                      | {"inside": scope.hop} for scope, node in sites]
         dropped = drop_unused_operands(scopes)
@@ -183,6 +179,8 @@ def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn
     meaning = None
     if not is_flash and args["attn_mask"] is not None:
         meaning = _prove(node, args["attn_mask"], prover)
+        if meaning.padding and node in ctx.state.get(EAGER_CALLS, ()):
+            _refuse_eager_padding(node)
         if causal is not False:
             _refuse(node, f"it has both an attn_mask and is_causal={causal!r}",
                     "pass one of them, as F.scaled_dot_product_attention requires")
@@ -263,19 +261,16 @@ def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn
     }
 
 
-def _refuse_eager_padding(node: torch.fx.Node, prover: Prover) -> None:
+def _refuse_eager_padding(node: torch.fx.Node) -> NoReturn:
     """An eager chain's mask that hides padded keys: one process gives a query that sees no key
     (a left-padded token, whose output transformers' labels put in the loss when the next token
     is real) the mean of every value in its row (the additive mask's uniform softmax; NaN in
     float64), which no attention kernel computes."""
-    mask = node.kwargs.get("attn_mask")
-    meaning = None if mask is None else _prove(node, mask, prover)
-    if meaning is not None and meaning.padding:
-        _refuse(node, "it is attention written as ops whose mask hides padded keys: a query that "
-                      "sees no key (left padding) gets, in one process, the mean of every value "
-                      "of its row (NaN in float64), which 2D-Attention does not compute",
-                "use attn_implementation='sdpa', pad on the right, or pack the documents "
-                "(position_ids) instead of padding them")
+    _refuse(node, "it is attention written as ops whose mask hides padded keys: a query that "
+                  "sees no key (left padding) gets, in one process, the mean of every value "
+                  "of its row (NaN in float64), which 2D-Attention does not compute",
+            "use attn_implementation='sdpa', pad on the right, or pack the documents "
+            "(position_ids) instead of padding them")
 
 
 def _flash_args(call) -> dict[str, Any]:

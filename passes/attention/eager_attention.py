@@ -82,17 +82,19 @@ class EagerAttentionPass(ShardedPass):
     provides = (EAGER_CALLS,)
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
-        changed = []
+        changed, written = [], set()
         scopes = graph_scopes(gm)
         for scope in scopes:
             graph = scope.module.graph
             for softmax in [n for n in graph.nodes if _is_softmax(n)]:
                 chain = _match(softmax, scope, scopes)
                 if chain is not None:
-                    changed.append(_rewrite(graph, chain))
+                    sdpa = _rewrite(graph, chain)
+                    written.add(sdpa)
+                    changed.append(_record(chain, sdpa))
             graph.lint()
             scope.module.recompile()
-        ctx.state[EAGER_CALLS] = {call.pop("sdpa") for call in changed}
+        ctx.state[EAGER_CALLS] = written
         return {"matched": len(changed), "changed": changed}
 
 
@@ -327,7 +329,8 @@ def _uncast(chain: _Chain, tensor: Any, dtype: torch.dtype) -> Any:
     return tensor
 
 
-def _rewrite(graph: torch.fx.Graph, chain: _Chain) -> dict:
+def _rewrite(graph: torch.fx.Graph, chain: _Chain) -> torch.fx.Node:
+    """The SDPA call written in place of the chain, whose nodes are erased."""
     out = chain.out
     kwargs = {"attn_mask": chain.keep, "scale": float(chain.scale)}
     if chain.sinks is None:
@@ -342,8 +345,12 @@ def _rewrite(graph: torch.fx.Graph, chain: _Chain) -> dict:
         for node in [n for n in dead if not n.users]:
             graph.erase_node(node)
             dead.remove(node)
-    return {"sdpa": sdpa, "node": sdpa.name, "source": source_line(sdpa),
-            "module": module_path(sdpa),
+    return sdpa
+
+
+def _record(chain: _Chain, sdpa: torch.fx.Node) -> dict:
+    """What the report says of one chain replaced."""
+    return {"node": sdpa.name, "source": source_line(sdpa), "module": module_path(sdpa),
             "scale": chain.scale, "mask": chain.mask_from,
             "softmax_dtype": None if chain.softmax_dtype is None else str(chain.softmax_dtype),
             "casts_dropped": chain.casts, "dropout": chain.dropout,
