@@ -65,7 +65,7 @@ def test_a_failing_rank_is_named_and_the_next_call_runs():
         start = time.monotonic()
         with pytest.raises(DistributedFailure) as failure:
             run_distributed(_raise_on, 2, 1, True, timeout=120)
-        assert time.monotonic() - start < 60   # the grace after a failure, not the timeout
+        assert time.monotonic() - start < 45   # the grace after a failure, not the timeout
         # rank 1 first, then rank 0 whose all_reduce lost its peer (gloo) or nothing (killed)
         assert next(iter(failure.value.errors)) == 1
         assert "first rank 1: ValueError: case broken on purpose on rank 1" in str(failure.value)
@@ -84,8 +84,8 @@ def test_a_hang_fails_within_its_timeout_and_the_next_call_runs():
     with keep_ranks():
         run_distributed(_hang_on, 2, 5, timeout=120)   # the ranks started: the timeout is the call's
         start = time.monotonic()
-        with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 20 s"):
-            run_distributed(_hang_on, 2, 1, timeout=20)
-        assert time.monotonic() - start < 60
+        with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 5 s"):
+            run_distributed(_hang_on, 2, 1, timeout=5)
+        assert time.monotonic() - start < 45
         # the hung rank and the other were ended: new ranks run the next call
         assert run_distributed(_hang_on, 2, 5, timeout=120) == [0, 1]

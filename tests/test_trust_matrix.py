@@ -38,6 +38,10 @@ REFUSED_HABITS = {
                                             "without an attention_mask"]),
     "packed_balanced_mask": ("LoongShapeError", ["balance_documents", "reads its documents",
                                                  "without an attention_mask"]),
+    # documents live in the position ids: a model that numbers the row itself sees one sequence
+    "packed_no_position_ids": ("LoongShapeError", ["cut from packed documents",
+                                                   "without position_ids",
+                                                   "position_ids=batch.position_ids"]),
     "router_aux_loss": ("LoongTokenMixingError", ["load-balancing loss", "output_router_logits=False"]),
 }
 # GPT-2's loss runs in a graph of its own after a graph break: no attention in it

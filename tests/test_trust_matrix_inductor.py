@@ -108,3 +108,27 @@ def test_case_is_exact_under_inductor_at_hp2_cp2(policy, case):
     assert error <= INDUCTOR_TOLERANCE, f"{case.name} under {policy}: relative error {error:.1e}"
     if policy in WORK:
         assert WORK[policy](outcome[3]), f"{case.name}: {policy} did nothing: {outcome[3]}"
+
+
+# hp = cp = 1 (issue 36): one process holds the whole sequence, and the attention pass replaces
+# every mask it proves (documents, padding, windows, chunks: the S x S mask transformers builds
+# under torch.compile) with 2D-Attention's masked op on one rank.  (layers: the calls at least
+# rewritten, one per layer; a graph compiled again counts its own, case)
+ONE_RANK_CASES = [(1, Case("llama", habit="packed_use_cache_false")),
+                  (1, Case("qwen2", habit="padding")),
+                  (1, Case("mistral", window=WINDOW_SHARD)),
+                  (2, Case("gemma3", window=WINDOW_SHARD, habit="packed_use_cache_false")),
+                  (1, Case("llama4"))]   # its NoPE layer: is_causal, no mask
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(CASE_TIMEOUT + 60)
+@pytest.mark.parametrize("layers,case", ONE_RANK_CASES, ids=[c.name for _, c in ONE_RANK_CASES])
+def test_one_rank_drops_the_mask_and_is_exact_under_inductor(layers, case):
+    outcome = run_distributed(run_case, 1, 1, 1, case, {"lowering": "inductor"},
+                              timeout=CASE_TIMEOUT)[0]
+    assert outcome[0] == "ok", f"{case.name}: {outcome[1]}: {outcome[2][:3000]}"
+    error = relative_error(outcome[1:3], reference(case))
+    assert error <= INDUCTOR_TOLERANCE, f"{case.name}: relative error {error:.1e}"
+    done = outcome[3]
+    assert done["attention_rewritten"] >= layers and not done["attention_kept"], done

@@ -111,6 +111,9 @@ def all_cases() -> list[Case]:
     # a model that numbers its tokens itself: neither can be exact, both refused by name
     cases += [Case("llama", habit="packed_balanced_labels"),
               Case("llama", habit="no_shard_batch_no_position_ids")]
+    # packed documents cut by shard_batch, the model called without their positions: it would
+    # number each row as one sequence (refused by name)
+    cases += [Case("llama", habit="packed_no_position_ids")]
     # DeepSeek-V3's transformers model computes no load-balancing loss: the others only
     cases += [Case(arch, habit=habit) for arch in MOE if arch != "deepseek_v3_moe"
               for habit in MOE_HABITS]
@@ -368,13 +371,18 @@ def _distributed_step(case: Case, hp: int, cp: int, extra_options: dict | None =
 
 
 def work_done(reports: list) -> dict:
-    """What the activation policy and the memory plan did on this rank's graphs: the nodes sc++
-    tagged for recompute, the bytes memo offloaded and recomputed, and each memory plan's
-    status (a policy that touched nothing would make its case prove nothing)."""
-    done = {"recompute_tags": 0, "host_bytes": 0, "recomputed_bytes": 0, "memory_plan": []}
+    """What the passes did on this rank's graphs: the attention calls rewritten and those kept
+    (with why: on one rank, a mask not proven), the nodes sc++ tagged for recompute, the bytes
+    memo offloaded and recomputed, and each memory plan's status (a policy that touched nothing
+    would make its case prove nothing)."""
+    done = {"recompute_tags": 0, "host_bytes": 0, "recomputed_bytes": 0, "memory_plan": [],
+            "attention_rewritten": 0, "attention_kept": []}
     unique = {id(report): report for report in reports}.values()   # published after each stage
     for record in (r for report in unique for r in report.passes):
-        if record.name == "selective_checkpoint":
+        if record.name == "attention_2d":
+            done["attention_rewritten"] += len(record.summary["changed"])
+            done["attention_kept"] += [k["reason"] for k in record.summary["kept"]]
+        elif record.name == "selective_checkpoint":
             done["recompute_tags"] += record.summary["changed"]["prefer_recompute"]
         elif record.name == "offload":
             done["host_bytes"] += record.summary.get("host_bytes", 0)

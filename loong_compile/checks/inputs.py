@@ -30,6 +30,11 @@ it).  Anything else (``OTHER``), or a length the layout cannot split
 (``LENGTH``), is refused.  The rule needs no rank's positions but its own: a
 gather of the positions would need equal shapes on every rank, which is what
 the check cannot assume.
+
+A graph that numbers its tokens itself (``made_positions``: no position ids) has nothing to
+compare; ``MadePositionsCheck`` then refuses, on every rank of the sequence, a batch every rank
+holds whole (their token checksums equal) and a batch ``shard_batch`` cut from packed documents
+(their documents live in the position ids the call left out).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import torch.fx
 
 from loong_compile._compat.distributed import resolve_process_group
 from loong_compile._compat.dynamo import placeholder_sources
-from loong_compile.parallel.tokens import layout_positions
+from loong_compile.parallel.tokens import cut_from_packed_documents, layout_positions
 from loong_compile.errors import LoongError, LoongShapeError
 
 _CACHED_LENGTHS = 16
@@ -113,7 +118,7 @@ def checking_positions(compiled: Callable, gm: torch.fx.GraphModule, mesh: Any,
     if named is not None:
         found[named] = ", ".join([found[named], "its name"] if named in found else ["its name"])
     if made_positions and not found:
-        check = SameTokensCheck(mesh, list(made_positions))
+        check = MadePositionsCheck(mesh, list(made_positions))
 
         def checked_tokens(*args: Any) -> Any:
             check(args)
@@ -122,8 +127,8 @@ def checking_positions(compiled: Callable, gm: torch.fx.GraphModule, mesh: Any,
         return checked_tokens, {"matched": len(made_positions), "position_ids": None, "result": (
             "the graph numbers its tokens with the layout's positions (made_positions): before "
             f"each call the {mesh.sp} ranks of the sequence compare a checksum of their token "
-            "inputs (one all-gather of two numbers each) and refuse a batch that every rank "
-            "holds whole")}
+            "inputs (one all-gather of three numbers each) and refuse a batch that every rank "
+            "holds whole, or one shard_batch cut from packed documents")}
     if not found:
         return compiled, {"matched": 0, "position_ids": None, "result": (
             "no input of this graph is positions (none is named position_ids, and none reaches "
@@ -293,10 +298,12 @@ def _error(failing: dict[int, Verdict], mesh: Any, local_len: int, detail: str,
         shard)
 
 
-class SameTokensCheck:
-    """Refuses, on every rank of the sequence, a call whose token inputs (``indices``) are the
-    same on all of them: what a batch fed whole to every rank looks like.  A rank of a graph
-    that numbers its tokens with the layout's positions has no position ids that could tell."""
+class MadePositionsCheck:
+    """The check of a graph that numbers its tokens with the layout's positions: such a rank has
+    no position ids that could tell a wrong batch.  Refuses, on every rank of the sequence, a
+    call whose token inputs (``indices``) are the same on all of them (what a batch fed whole
+    to every rank looks like), or that some rank's ``shard_batch`` cut from packed documents
+    (the model would number them as one sequence: their documents live in the position ids)."""
 
     def __init__(self, mesh: Any, indices: list[int]):
         self.mesh = mesh
@@ -308,13 +315,26 @@ class SameTokensCheck:
         if not tensors:
             return
         device = tensors[0].device
-        sums = torch.zeros(2, dtype=torch.float64, device=device)
-        for t in tensors:  # a sum and a weighted sum: equal tensors give equal checksums
+        # a sum and a weighted sum (equal tensors give equal checksums), and whether the
+        # tokens were cut from packed documents: one all-gather, one host read
+        found = torch.zeros(3, dtype=torch.float64, device=device)
+        for t in tensors:
             flat = t.detach().reshape(-1).to(torch.float64)
-            sums += torch.stack([flat.sum(), (flat * self._weights_for(flat)).sum()])
-        parts = [torch.empty_like(sums) for _ in range(self.mesh.sp)]
-        dist.all_gather(parts, sums, group=resolve_process_group(self.mesh.group_names["sp"]))
-        if all(torch.equal(p, parts[0]) for p in parts[1:]):
+            found[:2] += torch.stack([flat.sum(), (flat * self._weights_for(flat)).sum()])
+        found[2] = float(any(cut_from_packed_documents(t) for t in tensors))
+        parts = [torch.empty_like(found) for _ in range(self.mesh.sp)]
+        dist.all_gather(parts, found, group=resolve_process_group(self.mesh.group_names["sp"]))
+        rows = torch.stack(parts).tolist()
+        packed = [rank for rank, row in zip(self.mesh.sp_ranks, rows) if row[2]]
+        if packed:
+            raise LoongShapeError(
+                f"a batch shard_batch cut from packed documents (document_ids= or cu_seqlens=; "
+                f"ranks {packed}), and the model is called without position_ids",
+                "the model finds packed documents only in its position ids (restarting at 0 at "
+                "each document); without them it numbers the row as one sequence, and every "
+                "token would attend across the starts of its documents",
+                "pass position_ids=batch.position_ids")
+        if all(row[:2] == rows[0][:2] for row in rows[1:]):
             shape = tuple(tensors[0].shape)
             raise LoongShapeError(
                 f"every one of the {self.mesh.sp} ranks of the sequence holds the same tokens "

@@ -114,6 +114,9 @@ def _received_shape(kv: Tensor, ranges) -> tuple[int, ...]:
 
 def masked_forward(q: Tensor, k: Tensor, v: Tensor, masked: StepMask,
                    scale: float) -> tuple[Tensor, Tensor]:
+    if masked.whole:
+        out, lse = attention_forward(q, k, v, is_causal=masked.is_causal, scale=scale)
+        return out.contiguous(), lse.contiguous()
     acc = accumulation_dtype(q.dtype)
     kv = kv_buffer(k, v)
     out = torch.zeros((*q.shape[:3], v.size(-1)), dtype=acc, device=q.device)
@@ -140,6 +143,9 @@ def _forward_block(q: Tensor, head_dim: int, source: Tensor, block: Block, maske
 
 def masked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     masked: StepMask, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    if masked.whole:
+        return tuple(g.contiguous() for g in attention_backward(
+            dout, q, k, v, out, lse, is_causal=masked.is_causal, scale=scale))
     acc = accumulation_dtype(q.dtype)
     kv = kv_buffer(k, v)
     dq = torch.zeros_like(q, dtype=acc)

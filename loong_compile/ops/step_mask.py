@@ -59,6 +59,11 @@ class StepMask:
         self.mask_positions = None if found is None else \
             torch.from_numpy(found).to(document_ids.device)
         self.mine = self.plan.ranks[self.rank]
+        # one rank and every row one document (no padding, no window): the blocks tile plain
+        # attention over the whole row, which masked_forward computes in one kernel call
+        self.whole = (cp == 1 and window is None and self.mask_positions is None
+                      and host_ids is not None and bool((host_ids >= 0).all())
+                      and bool((host_ids == host_ids[:, :1]).all()))
         self._positions = [local_token_indices(seq_len, cp, 1, r, 0) for r in range(cp)]
         self._on_device: dict[torch.device, list[Tensor]] = {}
         self._flex_masks: dict[Block, BlockMask] = {}

@@ -22,6 +22,7 @@ zigzag and the sequence is simply cut into ``hp`` pieces.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -32,6 +33,11 @@ from loong_compile.parallel.balance import balanced_order, restore, take
 from loong_compile.parallel.rules import sequence_divisor, sequence_violation  # noqa: F401 (re-exported)
 
 IGNORE_INDEX = -100
+
+# id -> weak reference of the input ids of every batch shard_batch cut from packed documents (a
+# document starting after a row's first token): a graph that numbers its tokens itself (called
+# without position_ids) cannot see those documents, and checks.inputs refuses such a call
+_PACKED_INPUT_IDS: dict[int, weakref.ref] = {}
 
 
 def check_sequence_length(seq_len: int, cp: int, hp: int) -> None:
@@ -126,11 +132,21 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, mesh, *,
                       "(shard_batch shifts them)")
     _check_same_shape("attention_mask", attention_mask, input_ids,
                       "pass the tokenizer's (batch, sequence) attention_mask")
-    batch, seq_len = input_ids.shape
-    index = mesh_token_indices(seq_len, mesh).to(input_ids.device)
+    index = mesh_token_indices(input_ids.size(1), mesh).to(input_ids.device)
     starts = document_starts(input_ids, document_ids, cu_seqlens)
     if balance_documents and starts is not None and mesh.cp > 1:
-        return _balanced(input_ids, labels, starts, attention_mask, index, mesh.cp, pad_token_id)
+        sharded = _balanced(input_ids, labels, starts, attention_mask, index, mesh.cp,
+                            pad_token_id)
+    else:
+        sharded = _in_layout(input_ids, labels, starts, attention_mask, index)
+    if starts is not None and bool(starts[:, 1:].any()):
+        _remember_packed(sharded.input_ids)
+    return sharded
+
+
+def _in_layout(input_ids: torch.Tensor, labels: torch.Tensor | None, starts: torch.Tensor | None,
+               attention_mask: torch.Tensor | None, index: torch.Tensor) -> ShardedBatch:
+    batch = input_ids.size(0)
     if starts is None:
         # a new tensor, never a view of ``index`` (at an offset that differs by rank: Dynamo
         # would then specialise on it, and the ranks would compile different graphs)
@@ -143,6 +159,20 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, mesh, *,
         shifted, num_labels = full[:, index], (full != IGNORE_INDEX).sum()
     mask = None if attention_mask is None else attention_mask[:, index]
     return ShardedBatch(input_ids[:, index], position_ids, shifted, mask, num_labels)
+
+
+def _remember_packed(input_ids: torch.Tensor) -> None:
+    key = id(input_ids)
+    _PACKED_INPUT_IDS[key] = weakref.ref(input_ids, lambda _: _PACKED_INPUT_IDS.pop(key, None))
+
+
+def cut_from_packed_documents(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the ``input_ids`` of a batch ``shard_batch`` cut from packed
+    documents (given as ``document_ids`` or ``cu_seqlens``, a document starting inside a row):
+    such tokens are exact only with the batch's ``position_ids``, where the model finds the
+    documents."""
+    ref = _PACKED_INPUT_IDS.get(id(tensor))
+    return ref is not None and ref() is tensor
 
 
 def _balanced(input_ids: torch.Tensor, labels: torch.Tensor | None, starts: torch.Tensor,

@@ -8,7 +8,10 @@ positions and the mask (``input_roles``) and the per-graph document ids (``docum
 Contract
 --------
 stage:    dynamo (torch IR, before AOTAutograd)
-applies:  when ``hp * cp > 1``
+applies:  always.  At ``hp = cp = 1`` (one rank holds the whole sequence) only to the calls with
+          an ``attn_mask``, each rewritten when its mask is proven (the S×S mask transformers
+          builds under ``torch.compile`` then dies) and kept as it is otherwise: nothing is
+          refused on one rank, where every call already computes what one process does.
 matches:  ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
           enable_gqa)``, ``ops.sinks.sdpa_with_sinks`` (its ``sinks`` passed on) and
           flash-attn's ``flash_attn_func`` (as Dynamo traces it: its
@@ -60,11 +63,12 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from loong_compile.errors import LoongTokenMixingError, LoongUnsupportedError
+from loong_compile.errors import LoongError, LoongTokenMixingError, LoongUnsupportedError
 from loong_compile.ops import attention_2d
 from loong_compile.ops.sinks import sdpa_with_sinks
 from loong_compile.passes.attention import input_roles, model_facts
-from loong_compile.passes.base import PassContext, ShardedPass
+from loong_compile.parallel.mesh import mesh_for_options
+from loong_compile.passes.base import Pass, PassContext
 from loong_compile.passes.attention.document_ids import DocumentIds
 from loong_compile.passes.attention.eager_attention import EAGER_CALLS
 from loong_compile.passes.attention.flash_match import match_flash_attn
@@ -94,7 +98,7 @@ MASK_FIX = ("build the mask as transformers does, from position_ids (packed docu
 ATTENTION_SITES = "attention_sites"
 
 
-class Attention2DPass(ShardedPass):
+class Attention2DPass(Pass):
     name = "attention_2d"
     stage = "dynamo"
     provides = (ATTENTION_SITES, input_roles.POSITION_INPUTS, input_roles.BALANCED_EXACT)
@@ -107,28 +111,35 @@ class Attention2DPass(ShardedPass):
         sites = [(scope, n) for scope in scopes for n in scope.module.graph.nodes
                  if n.op == "call_function"
                  and (n.target in SDPA_TARGETS or match_flash_attn(n) is not None)]
+        one_rank = ctx.config.sp == 1
+        if one_rank:
+            sites = [(scope, n) for scope, n in sites if scope.inline and _masked(n)]
         for scope, node in sites:
             if not scope.inline:
                 _refuse(node, f"it sits inside a {scope.hop} body, whose computation the "
                               "backend cannot rewrite as a whole",
                         "call attention outside the higher-order op, or run with hp=cp=1")
         prover = Prover(scopes, input_roles.rope_positions(gm, scopes))
-        documents = DocumentIds(gm, scopes, prover.input, ctx.mesh)
+        mesh = ctx.mesh if ctx.mesh is not None else mesh_for_options(ctx.config)
+        documents = DocumentIds(gm, scopes, prover.input, mesh)
         autocast: dict = {}   # (graph, device type) -> autocast's dtype at each node
-        rewritten = [_rewrite(scope, node, ctx, root, prover, documents, autocast)
-                     | {"inside": scope.hop} for scope, node in sites]
+        rewrite = _on_one_rank if one_rank else _rewrite
+        records = [rewrite(scope, node, ctx, mesh, root, prover, documents, autocast)
+                   | {"inside": scope.hop} for scope, node in sites]
+        rewritten = [r for r in records if "kept" not in r]
         dropped = drop_unused_operands(scopes)
         for scope in scopes:
             scope.module.graph.lint()
             scope.module.recompile()
         summary: dict[str, Any] = {"matched": len(sites), "changed": rewritten,
+                                   "kept": [r for r in records if "kept" in r],
                                    "model": type(root).__name__ if root is not None else None,
                                    "document_ids": documents.summary(),
                                    "mask_operands_dropped": dropped,
                                    "inputs": input_roles.roles_found(gm, prover, ctx.state),
                                    "balanced_documents_exact": balanced_exact(rewritten)}
         ctx.state[input_roles.BALANCED_EXACT] = summary["balanced_documents_exact"]
-        rope = _check_rope(root, rewritten, ctx)
+        rope = None if one_rank else _check_rope(root, rewritten, ctx)
         if rope:
             summary["rope"] = rope
         return summary
@@ -162,8 +173,30 @@ def _check_rope(root, rewritten: list[dict], ctx: PassContext) -> dict | None:
     return {"rope_type": rope_type, "threshold": threshold, "global_len": global_len}
 
 
-def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn.Module | None,
-             prover: Prover, documents: DocumentIds, autocast: dict) -> dict:
+def _masked(node: torch.fx.Node) -> bool:
+    """Whether an SDPA call (not flash-attn's, which takes no mask) has an ``attn_mask`` node."""
+    if node.target not in SDPA_TARGETS:
+        return False
+    params = SINKS_PARAMS if node.target is sdpa_with_sinks else SDPA_PARAMS
+    return isinstance(_bind(node, params, SDPA_DEFAULTS)["attn_mask"], torch.fx.Node)
+
+
+def _on_one_rank(scope: Scope, node: torch.fx.Node, ctx: PassContext, mesh: Any,
+                 root: torch.nn.Module | None, prover: Prover, documents: DocumentIds,
+                 autocast: dict) -> dict:
+    """hp = cp = 1: the call rewritten as under hp·cp > 1 when its mask is proven, else kept
+    as it is with the reason (what would be refused there).  A refusal may leave nodes the
+    rewrite made unused (document ids, a cast); AOTAutograd drops them."""
+    try:
+        return _rewrite(scope, node, ctx, mesh, root, prover, documents, autocast)
+    except LoongError as e:
+        return {"kept": node.name, "source": source_line(node), "module": module_path(node),
+                "reason": str(e)}
+
+
+def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, mesh: Any,
+             root: torch.nn.Module | None, prover: Prover, documents: DocumentIds,
+             autocast: dict) -> dict:
     graph = scope.module.graph
     flash = match_flash_attn(node)
     is_flash = flash is not None
@@ -194,8 +227,15 @@ def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn
         _refuse(node, f"is_causal={causal!r} / scale={scale!r} are not constants",
                 "pass Python bool/float values")
     tokens = _static(shape(q)[1 if is_flash else 2])
-    window, window_from = _window(node, root, causal, tokens, ctx.config.sp, meaning)
-    chunk, chunk_from = _chunk(node, root, causal, tokens, ctx.config.sp, meaning)
+    if ctx.config.sp == 1:   # a mask over the whole sequence shows any window or chunk shorter
+        (window, window_from), (chunk, chunk_from) = (
+            (size, "mask" if size else None) for size in (meaning.window, meaning.chunk))
+        if chunk is not None and meaning.padding:
+            _refuse(node, "its chunks count from each row's left padding in transformers",
+                    "keep the mask (one rank computes it as it is)", LoongTokenMixingError)
+    else:
+        window, window_from = _window(node, root, causal, tokens, ctx.config.sp, meaning)
+        chunk, chunk_from = _chunk(node, root, causal, tokens, ctx.config.sp, meaning)
     try:
         document_ids = documents.for_call(meaning, scope)
     except MaskNotProven as e:
@@ -219,7 +259,7 @@ def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, root: torch.nn
         q, k, v = (_insert_before(graph, node, torch.transpose, (t, 1, 2)) for t in (q, k, v))
     kwargs = {"is_causal": causal, "scale": None if scale is None else float(scale),
               "enable_gqa": is_flash or unrepeat or bool(args["enable_gqa"]),
-              **ctx.mesh.attention_kwargs()}
+              **mesh.attention_kwargs()}
     if not is_flash and args["sinks"] is not None:
         kwargs["sinks"] = args["sinks"]
     if document_ids is not None:

@@ -187,6 +187,33 @@ def test_one_process_masked_attention_equals_the_reference(compiled, is_causal, 
         assert masked_relative_error(got, ref) <= 1e-12
 
 
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_one_document_a_row_on_one_rank_is_one_kernel_call(is_causal):
+    """What the attention pass makes of a mask of padding alone on one rank (issue 36): with no
+    pad and no window in the step's ids, the masked op computes the whole row in one kernel
+    call (``StepMask.whole``), equal to the reference; a pad, a second document or a window
+    keep the blocks."""
+    from loong_compile.ops.step_mask import StepMask
+
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.zeros(2, 24, dtype=torch.long)
+    q, dout = (torch.randn(2, 4, 24, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, 2, 24, 8, generator=gen, dtype=torch.float64).requires_grad_()
+            for _ in range(2))
+    q.requires_grad_()
+    assert StepMask(ids, 24, is_causal, None, 1, "").whole
+    padded, two = ids.clone(), ids.clone()
+    padded[1, :3], two[0, 10:] = -1, 1
+    assert not StepMask(padded, 24, is_causal, None, 1, "").whole
+    assert not StepMask(two, 24, is_causal, None, 1, "").whole
+    assert not StepMask(ids, 24, True, 5, 1, "").whole
+    out, lse = attention_2d(q, k, v, is_causal=is_causal, document_ids=ids, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    want = masked_reference(q, k, v, dout, ids, is_causal, None)
+    for got, ref in zip((out, lse, *grads), want):
+        assert masked_relative_error(got, ref) <= 1e-12
+
+
 @pytest.mark.parametrize("kwargs,what", [
     ({"is_causal": False, "window": 4}, "is_causal=False"),
     ({"is_causal": True, "window": 0}, "window=0"),
@@ -201,21 +228,23 @@ def test_bad_masks_are_refused(kwargs, what):
 
 
 @pytest.mark.parametrize("v_head_dim", [8, 12])  # V's own head dim (MLA)
-def test_opcheck_masked_ops_and_document_ids_on_one_process(v_head_dim):
+@pytest.mark.parametrize("whole", [False, True], ids=["blocks", "one_document_a_row"])
+def test_opcheck_masked_ops_and_document_ids_on_one_process(v_head_dim, whole):
     """Fake kernels, schemas and autograd registration of the masked ops, the step's plan and the
-    document ids (cp = hp = 1: no group)."""
+    document ids (cp = hp = 1: no group), over blocks and in one call (``StepMask.whole``)."""
     gen = torch.Generator().manual_seed(5)
-    ids = random_documents(gen, 2, 16, 1, 2)
+    ids = torch.zeros(2, 16, dtype=torch.long) if whole else random_documents(gen, 2, 16, 1, 2)
+    window = 0 if whole else 5
     q, k, v, dout = (torch.randn(2, 2, 16, d, generator=gen, dtype=torch.float64)
                      for d in (8, 8, v_head_dim, v_head_dim))
-    handle = torch.ops.loong.masked_attention_plan(ids, 16, True, 5, 1, "")
-    args = (ids, handle, True, 5, 0.3, 1, "")
+    handle = torch.ops.loong.masked_attention_plan(ids, 16, True, window, 1, "")
+    args = (ids, handle, True, window, 0.3, 1, "")
     out, lse = torch.ops.loong.masked_attention_fwd(q, k, v, *args)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     checks = {
         "fwd": (torch.ops.loong.masked_attention_fwd, (*leaves, *args)),
         "bwd": (torch.ops.loong.masked_attention_bwd, (dout, q, k, v, out, lse, *args)),
-        "plan": (torch.ops.loong.masked_attention_plan, (ids, 16, True, 5, 1, "")),
+        "plan": (torch.ops.loong.masked_attention_plan, (ids, 16, True, window, 1, "")),
         "document_ids": (torch.ops.loong.sequence_document_ids,
                          (torch.arange(16).remainder(5).expand(2, 16), (ids >= 0).long(),
                           1, 1, "", "", "")),

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from loong_compile.parallel.tokens import (
     IGNORE_INDEX,
     check_sequence_length,
+    cut_from_packed_documents,
     gather_sequence,
     local_token_indices,
     mesh_token_indices,
@@ -142,6 +143,25 @@ def test_shard_batch_packed_positions_restart_at_every_document():
             want_labels = torch.cat([ids[:, 1:], torch.full((2, 1), IGNORE_INDEX)], 1)[:, index]
             assert torch.equal(batch.labels, want_labels)
         assert shard_batch(ids, None, mesh).attention_mask is None
+
+
+def test_input_ids_cut_from_packed_documents_are_known_as_such():
+    """What the made-positions check asks (a model called without position_ids cannot see
+    packed documents): the input ids of a batch cut from documents that start inside a row, in
+    the layout's order and the balanced order; not a batch of one document per row, not a copy."""
+    ids = torch.arange(2 * 16).reshape(2, 16)
+    one_per_row = torch.tensor([[0] * 16, [1] * 16])
+    for mesh in _four_rank_meshes():
+        packed = shard_batch(ids, ids, mesh, cu_seqlens=torch.tensor([0, 3, 11, 16]))
+        balanced = shard_batch(ids, ids, mesh, document_ids=torch.tensor([[0] * 8 + [1] * 8] * 2),
+                               balance_documents=True)
+        assert cut_from_packed_documents(packed.input_ids)
+        assert cut_from_packed_documents(balanced.input_ids)
+        assert not cut_from_packed_documents(packed.input_ids.clone())
+        assert not cut_from_packed_documents(packed.position_ids)
+        assert not cut_from_packed_documents(shard_batch(ids, ids, mesh).input_ids)
+        assert not cut_from_packed_documents(
+            shard_batch(ids, ids, mesh, document_ids=one_per_row).input_ids)
 
 
 @pytest.mark.parametrize("kwargs,what", [

@@ -399,10 +399,31 @@ def test_sliding_window_masks_take_the_window_of_the_mask_or_the_module(
     assert summary["changed"][0]["window_from"] == ("mask" if window < S else "module")
 
 
-def test_pass_applies_only_when_the_sequence_is_split():
-    p = Attention2DPass()
-    assert not p.enabled(LoongConfig())
-    assert p.enabled(LoongConfig(cp=2)) and p.enabled(LoongConfig(hp=2))
+def test_one_rank_rewrites_the_masks_it_proves_and_keeps_every_other_call():
+    """hp = cp = 1 (issue 36): a mask the pass proves becomes the masked op on one rank (the S x S
+    mask's subgraph dies); a mask it does not prove, and a call without a mask, stay as they
+    are (nothing is refused where one rank holds the whole sequence)."""
+    ctx = PassContext(config=LoongConfig(), mesh=None)
+    assert Attention2DPass().enabled(ctx.config)
+    gm = dynamo_graph(hf_masked_attention("create_causal_mask"), *qkv(kv_heads=H), POSITIONS,
+                      attention_mask=PADDING)
+    summary = Attention2DPass().run(gm, ctx)
+    (call,) = calls(gm, attention_2d)
+    assert call.kwargs["hp"] == call.kwargs["cp"] == 1 and "document_ids" in call.kwargs
+    assert not _mask_ops(gm) and not summary["kept"]
+    assert summary["changed"][0]["mask"]["proven"] == "causal, key padding from attention_mask"
+
+    def fn(q, k, v, mask):
+        return (F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                + F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    gm = dynamo_graph(fn, *qkv(kv_heads=H), torch.ones(S, S, dtype=torch.bool))
+    summary = Attention2DPass().run(gm, ctx)
+    assert not calls(gm, attention_2d) and summary["matched"] == 1 and not summary["changed"]
+    (kept,) = summary["kept"]
+    assert "neither position_ids nor the 2-D attention_mask" in kept["reason"]
+    assert len([n for n in gm.graph.nodes if n.target is torch._C._nn.scaled_dot_product_attention
+                or n.target is F.scaled_dot_product_attention]) == 2
 
 
 def test_the_balanced_order_is_exact_only_where_every_call_reads_documents_causally():
