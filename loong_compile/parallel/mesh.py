@@ -169,6 +169,12 @@ def mesh_for_options(config) -> LoongMesh:
                         config.rank_check_timeout, against_user_meshes=True)
 
 
+def one_process_mesh(placement: str = "head_first") -> LoongMesh:
+    """The mesh of one process without a process group (hp = cp = dp = 1, no groups): built
+    as is, with none of ``init_mesh``'s agreement or checks, which have no other rank."""
+    return _build(1, 1, placement, 1, 1, None)
+
+
 def _cached_mesh(hp, cp, placement, inner_ring, dp, timeout: float,
                  against_user_meshes: bool = False) -> LoongMesh:
     request = {"hp": hp, "cp": cp, "placement": placement, "inner_ring": inner_ring, "dp": dp}

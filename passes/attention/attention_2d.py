@@ -67,7 +67,7 @@ from loong_compile.errors import LoongError, LoongTokenMixingError, LoongUnsuppo
 from loong_compile.ops import attention_2d
 from loong_compile.ops.sinks import sdpa_with_sinks
 from loong_compile.passes.attention import input_roles, model_facts
-from loong_compile.parallel.mesh import mesh_for_options
+from loong_compile.parallel.mesh import one_process_mesh
 from loong_compile.passes.base import Pass, PassContext
 from loong_compile.passes.attention.document_ids import DocumentIds
 from loong_compile.passes.attention.eager_attention import EAGER_CALLS
@@ -120,7 +120,7 @@ class Attention2DPass(Pass):
                               "backend cannot rewrite as a whole",
                         "call attention outside the higher-order op, or run with hp=cp=1")
         prover = Prover(scopes, input_roles.rope_positions(gm, scopes))
-        mesh = ctx.mesh if ctx.mesh is not None else mesh_for_options(ctx.config)
+        mesh = ctx.mesh if ctx.mesh is not None else one_process_mesh(ctx.config.placement)
         documents = DocumentIds(gm, scopes, prover.input, mesh)
         autocast: dict = {}   # (graph, device type) -> autocast's dtype at each node
         rewrite = _on_one_rank if one_rank else _rewrite
