@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from lm_head_memory import status_kib
 
 # variant -> (backend, transformers' gradient checkpointing, backend options, estimator policy)
 VARIANTS = {
@@ -158,7 +159,7 @@ class Step:
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
             return torch.cuda.memory_allocated()
-        rest = _status_bytes("VmRSS")
+        rest = status_kib("VmRSS") * 1024
         Path("/proc/self/clear_refs").write_text("5")
         return rest
 
@@ -167,14 +168,7 @@ class Step:
             return {"peak": torch.cuda.max_memory_allocated() - rest,
                     "allocated": torch.cuda.max_memory_allocated(),
                     "reserved": torch.cuda.max_memory_reserved()}
-        return {"peak": _status_bytes("VmHWM") - rest}
-
-
-def _status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
+        return {"peak": status_kib("VmHWM") * 1024 - rest}
 
 
 def step_flops(config, tokens: int, causal: bool) -> float:

@@ -29,15 +29,9 @@ import time
 from pathlib import Path
 
 import torch
+from lm_head_memory import status_kib
 
 VOCAB, WIDTH, LAYERS = 256, 64, 2
-
-
-def status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def child(backend: str, tokens: int, steps: int, call: str) -> dict:
