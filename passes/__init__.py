@@ -5,6 +5,8 @@ stage of the pipeline, in the order they run:
 subpackage             stage(s)                    what it does
 =====================  ==========================  =====================================
 ``attention``          dynamo                      attention calls -> 2D-Attention
+``scans``              dynamo                      short convolutions, gated DeltaNet ->
+                                                   exact ops across ranks
 ``safety``             dynamo                      nothing else mixes a rank's tokens
 ``loss``               dynamo                      the LM head and its loss, token-chunked
 ``activations``        joint, split                checkpoint / offload / token-slice
@@ -40,6 +42,8 @@ def library_passes() -> list:
     from loong_compile.passes.loss.sequence_loss import SequenceLossPass
     from loong_compile.passes.memory_plan import MemoryPlanPass
     from loong_compile.passes.safety.token_locality import TokenLocalityPass
+    from loong_compile.passes.scans.causal_conv import CausalConvPass
+    from loong_compile.passes.scans.gated_delta import GatedDeltaPass
     from loong_compile.passes.schedule.comm_overlap import CommOverlapPass
     from loong_compile.passes.schedule.exchange_order import ExchangeOrderPass
     from loong_compile.passes.schedule.prefetch_order import PrefetchOrderPass
@@ -50,6 +54,8 @@ def library_passes() -> list:
         Attention2DPass(),
         MadePositionsPass(),
         SequenceLossPass(),
+        CausalConvPass(),
+        GatedDeltaPass(),
         TokenLocalityPass(),
         LMHeadLossPass(),
         # joint, split

@@ -56,6 +56,10 @@ class StubMesh:
         return {"hp": self.hp, "cp": self.cp, "sp_group": "sp", "hp_group": "hp",
                 "cp_group": "cp"}
 
+    def scan_kwargs(self, heads_split: bool = False) -> dict:
+        places = [(c, h) for c in range(self.cp) for h in range(self.hp)]
+        return {"hp": self.hp, "cp": self.cp, "places": places, "group_rank": 0, "scan_group": "sp"}
+
 
 def dynamo_graph(fn, *inputs, **kw_inputs):
     """The FX graph Dynamo captures for fn (with its fake-tensor metadata, and each input's

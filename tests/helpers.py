@@ -285,3 +285,17 @@ def hf_masked_attention(make: str, window: int | None = None, chunk: int | None 
                                       position_ids=position_ids, **mask_kwargs)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return fn
+
+
+def sequential_recurrence(q, k, v, g, beta=None) -> torch.Tensor:
+    """The gated recurrence token by token (ops/gated_scan.py's docstring), in the inputs' dtype:
+    ``q``, ``k`` ``(B, H, T, dk)``, ``v`` ``(B, H, T, dv)``, ``g`` (log-decay) and ``beta`` (the
+    delta rule's rate, or None: no delta rule) ``(B, H, T)`` -> ``(B, H, T, dv)``."""
+    state, out = q.new_zeros(*q.shape[:2], q.size(-1), v.size(-1)), []
+    for t in range(q.size(2)):
+        state = state * g[:, :, t].exp()[..., None, None]
+        kt = k[:, :, t, :, None]
+        written = v[:, :, t] if beta is None else (v[:, :, t] - (state * kt).sum(-2)) * beta[:, :, t, None]
+        state = state + kt * written.unsqueeze(-2)
+        out.append((state * q[:, :, t, :, None]).sum(-2))
+    return torch.stack(out, 2)

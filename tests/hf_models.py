@@ -242,7 +242,18 @@ def _gemma2(attn, window):
         attn_logit_softcapping=50.0, sliding_window=window or 4096))
 
 
-MIXING_ARCHITECTURES = {"qwen3_next": _qwen3_next, "falcon_h1": _falcon_h1}
+def _lfm2(attn, window):
+    # a short causal convolution (kernel 4: ops/causal_conv.py across ranks) in the first layer,
+    # attention in the second
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+    return Lfm2ForCausalLM(Lfm2Config(
+        **_common(attn) | {"num_hidden_layers": 2}, layer_types=["conv", "full_attention"],
+        conv_L_cache=4))
+
+
+MIXING_ARCHITECTURES = {"falcon_h1": _falcon_h1}
+# token mixers with a state that the scans stage makes exact
+SCAN_ARCHITECTURES = {"lfm2": _lfm2, "qwen3_next": _qwen3_next}
 ATTENTION_VARIANTS = {"llama4": _llama4, "gpt_oss": _gpt_oss, "gemma2": _gemma2}
 WINDOWED = ("qwen2", "qwen3", "mistral", "gemma3", "phi3", "starcoder2", "exaone4", "cohere2")
 
@@ -251,5 +262,6 @@ def build(arch: str, attn: str = "sdpa", window: int | None = None,
           dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.nn.Module:
     """The model in train mode, weights drawn from ``seed``, cast to ``dtype``."""
     torch.manual_seed(seed)
-    model = (ARCHITECTURES | MIXING_ARCHITECTURES | ATTENTION_VARIANTS)[arch](attn, window)
+    model = (ARCHITECTURES | MIXING_ARCHITECTURES | SCAN_ARCHITECTURES | ATTENTION_VARIANTS)[arch](
+        attn, window)
     return model.to(dtype).train()

@@ -1,6 +1,8 @@
 """Exact or refused: 23 Hugging Face architectures x attention x windows x users' habits, three
 whose attention is chunked (Llama 4), has sinks (gpt-oss) or softcapped scores (Gemma 2,
-refused), and two that mix tokens outside attention (refused whatever the habit).
+refused), two that mix tokens outside attention through a state the scans stage carries across
+ranks (LFM2's short convolution, Qwen3-Next's convolution and gated DeltaNet), and one it does
+not yet (Falcon-H1's Mamba-2 mixer: refused whatever the habit).
 
 The cells run a dozen per ``run_distributed`` call on the session's kept ranks
 (``trust_matrix.run_matrix``); a call that crashes or hangs is run again a cell per call, so
@@ -48,8 +50,6 @@ REFUSED_HABITS = {
 NO_ATTENTION = ("LoongTokenMixingError", ["no attention call", "allow_graphs_without_attention"])
 # what mixes tokens outside attention, named (issue 23)
 MIXING = {
-    "qwen3_next": ("LoongTokenMixingError", ["conv1d", "slides over the token axis",
-                                             "linear_attn", "hp=cp=1"]),
     "falcon_h1": ("LoongTokenMixingError", ["attention type is hybrid", "hp=cp=1"]),
 }
 
@@ -92,7 +92,8 @@ HP_CASES = [Case("mistral", window=WINDOW_SHORT), Case("llama"), Case("qwen3", h
             Case("llama", habit="grad_ckpt_reentrant"), Case("llama", habit="eval_no_grad"),
             Case("gpt2", habit="no_position_ids")]
 HP_CASES += [Case(arch) for arch in MIXING] + [Case("llama4"), Case("gpt_oss", attn="eager"),
-                                                Case("gemma2", attn="eager")]
+                                                Case("gemma2", attn="eager"), Case("lfm2"),
+                                                Case("qwen3_next")]
 
 
 @pytest.fixture(scope="module")

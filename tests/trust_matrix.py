@@ -20,17 +20,25 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import loong_error_in  # noqa: E402
+from helpers import loong_error_in, sequential_recurrence  # noqa: E402
 from hf_models import (  # noqa: E402
-    ARCHITECTURES, ATTENTION_VARIANTS, MIXING_ARCHITECTURES, MOE, WINDOWED, build)
+    ARCHITECTURES, ATTENTION_VARIANTS, MIXING_ARCHITECTURES, MOE, SCAN_ARCHITECTURES, WINDOWED, build)
 
 BATCH, SEQ = 2, 48
+# LFM2's short convolution splits its in-projection (B, 3*32, T) along the channels: 96 is a
+# multiple of 24 and 12 tokens (2 and 4 ranks at 48), and the token analysis takes any axis whose
+# size is a multiple of the tokens per rank for a token axis (docs/attention.md, "Scans")
+SEQ_OF = {"lfm2": 56}
 # on 2 ranks a rank holds 24 tokens: shorter than a rank's share, between it and the sequence,
 # longer than the sequence
 WINDOW_SHARD, WINDOW_SHORT, WINDOW_LONG = 16, 32, 64
 FLOAT32_INSIDE = ("gemma3", "cohere", "cohere2")
 # the models computed in float32: their experts' grouped_mm has no float64 kernel on CPU
 FLOAT32_MODELS = MOE + ("gpt_oss", "llama4")
+# the models whose scan kernel computes in float32 whatever the model's dtype (transformers' gated
+# delta rule casts): judged within twice one process's own float32 error, against one process
+# with the recurrence computed token by token in float64 in its place (_float64_kernel)
+FLOAT32_KERNELS = ("qwen3_next",)
 # the eager attention chains whose softmax stays in the model's dtype (the others upcast to float32)
 FLOAT64_SOFTMAX = ("gpt2", "falcon")
 # every architecture gets the habits that depend on its code; the habits that depend on
@@ -119,6 +127,7 @@ def all_cases() -> list[Case]:
               for habit in MOE_HABITS]
     cases += [Case("mixtral", habit=habit) for habit in EXPERTS_HABITS]
     cases += [Case(arch) for arch in MIXING_ARCHITECTURES]
+    cases += [Case(arch, habit=habit) for arch in SCAN_ARCHITECTURES for habit in HABITS_EVERY_ARCH]
     # chunked attention both ways; transformers builds gpt-oss (sinks) and Gemma 2 (softcapped
     # scores) with eager attention only
     # (packed documents: transformers counts a document's chunks from its own start)
@@ -128,8 +137,12 @@ def all_cases() -> list[Case]:
     return cases
 
 
-def token_ids(seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+def seq_len(arch: str) -> int:
+    return SEQ_OF.get(arch, SEQ)
+
+
+def token_ids(seed: int = 1, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, 64, (BATCH, seq), generator=torch.Generator().manual_seed(seed))
 
 
 # documents of 5, 7, 12 and 24 tokens (boundaries inside a chunk, on a zigzag chunk edge and on
@@ -211,8 +224,8 @@ def _shifted(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
 
 
-def _label_count() -> int:
-    return BATCH * (SEQ - 1)
+def _label_count(seq: int = SEQ) -> int:
+    return BATCH * (seq - 1)
 
 
 def _autocast(case: Case):
@@ -231,9 +244,10 @@ def reference(case: Case, dtype: torch.dtype | None = None,
     dtype = dtype or _precision(case.arch)
     model = _experts_setup(case, _loss_in_graph_setup(case, build(case.arch, case.attn,
                                                                    case.window, dtype)))
-    ids = token_ids()
+    seq = seq_len(case.arch)
+    ids = token_ids(seq=seq)
     labels = _shifted(ids)
-    kwargs = {"position_ids": torch.arange(SEQ).expand(BATCH, -1)}
+    kwargs = {"position_ids": torch.arange(seq).expand(BATCH, -1)}
     if case.habit.startswith("packed"):
         kwargs["position_ids"] = packed_positions()
     if case.habit.startswith("packed_balanced"):
@@ -247,7 +261,7 @@ def reference(case: Case, dtype: torch.dtype | None = None,
     if case.habit == "eval_no_grad":
         with torch.no_grad():
             logits = model.eval()(ids, **kwargs).logits
-        loss = _summed_loss(logits, labels, _label_count())
+        loss = _summed_loss(logits, labels, _label_count(seq))
         return loss.item(), {"logits": logits.double().numpy()}
     with _autocast(case) if autocast else contextlib.nullcontext():
         if case.habit in LABELS_HABITS + ("shift_labels", "loss_in_graph",
@@ -262,6 +276,30 @@ def reference(case: Case, dtype: torch.dtype | None = None,
     loss.backward()
     return loss.item(), {n: p.grad.double().numpy() for n, p in model.named_parameters()
                          if p.grad is not None}
+
+
+@contextlib.contextmanager
+def _float64_kernel():
+    """transformers' ``torch_chunk_gated_delta_rule`` replaced, while inside, by the recurrence
+    token by token in the model's dtype (what its float32 kernel approximates)."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as module
+
+    def exact(query, key, value, g, beta, use_qk_l2norm_in_kernel=False, **kwargs):
+        heads = value.size(2)
+        if key.size(2) != heads:
+            query, key = (x.repeat_interleave(heads // key.size(2), dim=2) for x in (query, key))
+        query, key, value, g, beta = (x.transpose(1, 2) for x in (query, key, value, g, beta))
+        if use_qk_l2norm_in_kernel:
+            query, key = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (query, key))
+        out = sequential_recurrence(query * query.size(-1) ** -0.5, key, value, g, beta)
+        state = query.new_zeros(*query.shape[:2], query.size(-1), value.size(-1))  # a cache's only
+        return out.transpose(1, 2), state if kwargs.get("output_final_state") else None
+
+    original, module.torch_chunk_gated_delta_rule = module.torch_chunk_gated_delta_rule, exact
+    try:
+        yield
+    finally:
+        module.torch_chunk_gated_delta_rule = original
 
 
 def relative_error(got: tuple[float, dict], ref: tuple[float, dict]) -> float:
@@ -280,6 +318,10 @@ def tolerance(case: Case) -> float:
     transformers' loss casts the logits to float32) or is float32 (MoE: one process's
     grouped_mm against one matmul per expert on a rank, 3e-7), and for bf16 twice one
     process's own bf16 error against float64."""
+    if case.arch in FLOAT32_KERNELS:
+        with _float64_kernel():
+            exact = reference(case)
+        return 2 * relative_error(reference(case), exact)
     if case.habit == "bf16":
         return 2 * relative_error(reference(case, torch.bfloat16), reference(case))
     if case.habit == "autocast_bf16":
@@ -315,7 +357,8 @@ def _distributed_step(case: Case, hp: int, cp: int, extra_options: dict | None =
         options["allow_graphs_without_attention"] = True
     reports = []
     compiled = torch.compile(model, backend=lc.LoongBackend(options, on_report=reports.append))
-    ids = token_ids()
+    seq = seq_len(case.arch)
+    ids = token_ids(seq=seq)
     documents = packed_documents() if case.habit.startswith("packed") else None
     if case.habit.startswith("packed_balanced"):
         batch = lc.shard_batch(ids, ids.masked_fill(balance_room(), -100), mesh,
@@ -323,13 +366,13 @@ def _distributed_step(case: Case, hp: int, cp: int, extra_options: dict | None =
                                attention_mask=(~balance_room()).long())
     else:
         batch = lc.shard_batch(ids, ids, mesh, document_ids=documents)
-    labels, count = batch.labels, _label_count()
+    labels, count = batch.labels, _label_count(seq)
     if case.habit.startswith("packed_balanced"):
         count = int(batch.num_labels)
     kwargs = {"position_ids": batch.position_ids}
     if case.habit == "packed_balanced_mask":  # a mask of padding alone: no documents read
         kwargs["attention_mask"] = torch.ones_like(batch.input_ids)
-    index = mesh_token_indices(SEQ, mesh)
+    index = mesh_token_indices(seq, mesh)
     if case.habit.endswith("use_cache_false"):
         kwargs["use_cache"] = False
     if case.habit == "padding":
@@ -339,7 +382,7 @@ def _distributed_step(case: Case, hp: int, cp: int, extra_options: dict | None =
     inputs = batch.input_ids
     if case.habit.startswith("no_shard_batch"):  # every rank feeds the whole sequence
         inputs, labels = ids, _shifted(ids)
-        kwargs["position_ids"] = torch.arange(SEQ).expand(BATCH, -1).contiguous()
+        kwargs["position_ids"] = torch.arange(seq).expand(BATCH, -1).contiguous()
     if case.habit.endswith("no_position_ids"):
         kwargs.pop("position_ids")
     if case.habit == "eval_no_grad":
@@ -513,7 +556,8 @@ def markdown(cases: list[Case], results: dict) -> str:
     rows: dict[tuple, dict[str, tuple[str, str]]] = {}
     for case in cases:
         rows.setdefault((case.attn, case.window, case.habit), {})[case.arch] = judge(case, results[case])
-    archs = list(ARCHITECTURES) + list(ATTENTION_VARIANTS) + list(MIXING_ARCHITECTURES)
+    archs = (list(ARCHITECTURES) + list(ATTENTION_VARIANTS) + list(MIXING_ARCHITECTURES)
+             + list(SCAN_ARCHITECTURES))
     lines, messages = [], []
     for start in range(0, len(archs), TABLE_COLUMNS):
         group = archs[start:start + TABLE_COLUMNS]

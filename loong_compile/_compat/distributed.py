@@ -31,6 +31,18 @@ def all_to_all_start(x, group_name: str, group_size: int):
     return torch.ops._c10d_functional.all_to_all_single(x, splits, splits, group_name)
 
 
+def all_gather_start(x, group_name: str, group_size: int):
+    """``_c10d_functional.all_gather_into_tensor``: every rank's ``x`` concatenated along dim 0
+    in group-rank order, in flight until ``collective_wait``.  Checked against torch 2.11-2.15."""
+    return torch.ops._c10d_functional.all_gather_into_tensor(x, group_size, group_name)
+
+
+def reduce_scatter_start(x, group_name: str, group_size: int):
+    """``_c10d_functional.reduce_scatter_tensor`` (sum): piece ``r`` of dim 0 summed over the
+    group, to rank ``r``; in flight until ``collective_wait``.  Checked against torch 2.11-2.15."""
+    return torch.ops._c10d_functional.reduce_scatter_tensor(x, "sum", group_size, group_name)
+
+
 def collective_wait(x):
     """``_c10d_functional.wait_tensor``: the finished result of a functional collective."""
     return torch.ops._c10d_functional.wait_tensor.default(x)

@@ -2,9 +2,10 @@
 
 Ring and masked-exchange bytes are counted in ``Exchange`` / ``DirectExchange``, which
 run inside the custom ops' eager implementations, so they count real traffic also when
-the ops sit in a compiled graph.  The SeqAlltoAll is a functional collective
-(ops/alltoall.py): its bytes are counted when it runs eagerly; in a compiled graph
-Inductor runs it, and the generated code, not this counter, shows it.
+the ops sit in a compiled graph.  The SeqAlltoAll and the scans' all-gather are functional
+collectives (ops/alltoall.py, ops/scan_exchange.py): their bytes are counted when they run
+eagerly; in a compiled graph Inductor runs them, and the generated code, not this counter,
+shows them.
 """
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import torch.distributed as dist
 
 from loong_compile._compat.distributed import is_tracing, resolve_process_group
 
-_BYTES = {"all_to_all": 0, "p2p": 0}
+_BYTES = {"all_to_all": 0, "p2p": 0, "all_gather": 0}
 
 
 def comm_counters() -> dict[str, int]:
-    """Bytes this rank has sent to other ranks since the last reset: ``all_to_all`` and ``p2p``."""
+    """Bytes this rank has sent to other ranks since the last reset: ``all_to_all``, ``p2p`` and
+    ``all_gather`` (the scans' exchange, ops/scan_exchange.py: its payload to each other rank)."""
     return dict(_BYTES)
 
 
@@ -70,6 +72,13 @@ class DirectExchange:
         while self._works:  # a gloo work waited on twice never returns
             self._works.pop().wait()
         return self._received
+
+
+def count_all_gather(payload: torch.Tensor, group_size: int) -> None:
+    """Count the bytes of an all-gather of ``payload``: it reaches each of the other ranks.  Only
+    real traffic, as ``count_all_to_all``."""
+    if not is_tracing():
+        _BYTES["all_gather"] += payload.numel() * payload.element_size() * (group_size - 1)
 
 
 def count_all_to_all(send: torch.Tensor, group_size: int) -> None:

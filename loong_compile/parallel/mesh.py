@@ -125,6 +125,18 @@ class LoongMesh:
         return {"hp": self.hp, "cp": self.cp, "sp_group": self.group_names["sp"],
                 "hp_group": self.group_names["hp"], "cp_group": self.group_names["dkv_outer"]}
 
+    def scan_kwargs(self, heads_split: bool = False) -> dict[str, object]:
+        """Keyword arguments of the ops of token mixers with a state (``ops/causal_conv.py``,
+        ``ops/gated_scan.py``): over the ranks of the sequence, each holding its tokens as the
+        layout gives them, or (``heads_split``: after the head all-to-all) over the CP group,
+        each rank holding its whole CP shard.  ``places``: each group rank's (cp rank, hp rank);
+        ``group_rank``: this rank's in the group."""
+        if heads_split:
+            return {"hp": 1, "cp": self.cp, "places": [(c, 0) for c in range(self.cp)],
+                    "group_rank": self.cp_rank, "scan_group": self.group_names["dkv_outer"]}
+        return {"hp": self.hp, "cp": self.cp, "places": [self.coords(r)[1:] for r in self.sp_ranks],
+                "group_rank": self.sp_ranks.index(self.rank), "scan_group": self.group_names["sp"]}
+
     def describe(self) -> str:
         """The plan: sizes and the ranks of every group."""
         lines = [f"LoongMesh dp={self.dp} cp={self.cp} hp={self.hp} inner_ring={self.inner_ring} "

@@ -66,6 +66,24 @@ def shard_chunks(seq_len: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
     return [(cp_rank * chunk, chunk), ((2 * cp - 1 - cp_rank) * chunk, chunk)]
 
 
+def token_runs(seq_len: int, cp: int, hp: int, cp_rank: int, hp_rank: int) -> list[tuple[int, int]]:
+    """``local_token_indices`` as ``(first global position, length)`` runs of consecutive
+    positions, in local order: what a token mixer with a state (a scan, a causal convolution)
+    needs to know of where its tokens sit in the sequence."""
+    check_sequence_length(seq_len, cp, hp)
+    piece = seq_len // (cp * hp)
+    skip, runs = hp_rank * piece, []
+    for start, length in shard_chunks(seq_len, cp, cp_rank):
+        take_from = min(skip, length)
+        skip -= take_from
+        length_here = min(length - take_from, piece - sum(n for _, n in runs))
+        if length_here > 0 and runs and sum(runs[-1]) == start + take_from:  # the middle CP rank
+            runs[-1] = (runs[-1][0], runs[-1][1] + length_here)
+        elif length_here > 0:
+            runs.append((start + take_from, length_here))
+    return runs
+
+
 def mesh_token_indices(seq_len: int, mesh, rank: int | None = None) -> torch.Tensor:
     """``local_token_indices`` for ``rank`` of ``mesh`` (default: this rank)."""
     _, cp_rank, hp_rank = mesh.coords(rank)

@@ -2,7 +2,8 @@
 
 Contract
 --------
-stage:    dynamo, after ``attention_2d`` (whose calls are the only token mixing allowed)
+stage:    dynamo, after ``attention_2d`` and the scans (whose calls are the only token mixing
+          allowed)
 applies:  when ``hp * cp > 1``
 requires: the Dynamo graph's ``example_value`` metadata (static shapes)
 matches:  every node of the graph and of its higher-order-op bodies that reads token data
@@ -40,10 +41,12 @@ import torch
 import torch.fx
 
 from loong_compile.errors import LoongTokenMixingError
-from loong_compile.ops import attention_2d
+from loong_compile.ops import attention_2d, causal_conv1d
+from loong_compile.ops.gated_scan import gated_delta_rule
 from loong_compile.ops.sequence import sequence_label_count
 from loong_compile.passes.attention.attention_2d import ATTENTION_SITES
 from loong_compile.passes.base import PassContext, ShardedPass
+from loong_compile.passes.scans import SCAN_SITES
 from loong_compile.passes.fx_util import module_path, source_line
 from loong_compile.passes.subgraphs import graph_scopes, hop_name
 from loong_compile.passes.safety.row_ops import writes
@@ -60,6 +63,8 @@ class TokenLocalityPass(ShardedPass):
     # Only the rewritten attention may combine tokens: the calls ``attention_2d`` rewrote are
     # the ones this analysis allows.
     requires = (ATTENTION_SITES,)
+    # ... and the scans' ops, where the scans stage rewrote a convolution or a recurrence
+    uses = (SCAN_SITES,)
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
         tokens = local_token_count(gm)
@@ -151,7 +156,7 @@ class _Analysis:
                 continue
             self.tainted.add(node)
             self.checked += 1
-            if node.target is not attention_2d and verdict is not PROOF:
+            if node.target not in EXACT_MIXERS and verdict is not PROOF:
                 self.check(node, name, inputs)
 
     def refuse_unproven(self) -> None:
@@ -330,14 +335,23 @@ class _Analysis:
                 if counts_tokens(size, self.tokens) and not (skip and i == n - 1)]
 
     def refuse(self, node, reason: str, fix: str) -> None:
-        if f"in {_AUX_LOSS}" in (node.meta.get("stack_trace") or ""):
+        stack = node.meta.get("stack_trace") or ""
+        if f"in {_AUX_LOSS}" in stack:
             reason = (f"{reason}, in the router's auxiliary load-balancing loss "
                       "(output_router_logits=True), whose expert statistics cover the whole "
                       "sequence")
             fix = _AUX_LOSS_FIX
+        scan = next((f for f in _UNREWRITTEN_SCANS if f"in {f}" in stack), None)
+        if scan:
+            reason = (f"{reason}, in {scan} ({_UNREWRITTEN_SCANS[scan]}), a recurrence that "
+                      "carries a state from token to token, which the scans stage does not "
+                      "rewrite yet")
+            fix = "run with hp=cp=1"
         self.findings.append((node, reason, fix))
 
 
+# the ops that combine a rank's tokens with the other ranks' exactly: what the rewrites emit
+EXACT_MIXERS = (attention_2d, causal_conv1d, gated_delta_rule)
 # ops whose result is a value of the whole sequence, the same on every rank of it: not token data
 SEQUENCE_VALUES = (sequence_label_count,)
 _SUM_FIX = ("sum the per-token losses and divide by the global count of label tokens: "
@@ -345,6 +359,10 @@ _SUM_FIX = ("sum the per-token losses and divide by the global count of label to
             "loss outside the compiled model")
 # transformers' load-balancing loss, named in the message only (the token rules refuse it)
 _AUX_LOSS = "load_balancing_loss_func"
+# transformers' torch fallbacks of the recurrences the scans stage does not match yet, named in
+# the message (the token rules refuse what they do on local tokens)
+_UNREWRITTEN_SCANS = {"torch_chunk_gated_delta_rule": "gated DeltaNet, Qwen3-Next and Qwen3.5",
+                      "torch_forward": "a Mamba-2 mixer's selective scan"}
 _AUX_LOSS_FIX = ("pass output_router_logits=False; to train with the loss, compute it outside the "
                  "compiled model from the router_logits it returns, with the expert counts summed "
                  "over the sequence's ranks (all_reduce) and each rank's routing probabilities "

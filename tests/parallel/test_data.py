@@ -16,6 +16,7 @@ from loong_compile.parallel.tokens import (
     mesh_token_indices,
     sequence_divisor,
     shard_batch,
+    token_runs,
 )
 from loong_compile.errors import LoongShapeError
 from loong_compile.parallel.mesh import LoongMesh, init_mesh, rank_layout
@@ -46,6 +47,20 @@ def test_hp_group_concatenation_is_the_zigzag_cp_shard(cp, hp, multiple):
             want = torch.cat([torch.arange(c * chunk, (c + 1) * chunk),
                               torch.arange((2 * cp - 1 - c) * chunk, (2 * cp - c) * chunk)])
             assert torch.equal(shard, want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cp=sizes, hp=sizes, multiple=st.integers(1, 5))
+def test_token_runs_are_the_local_tokens_as_maximal_runs(cp, hp, multiple):
+    """What the scans read (ops/scan_exchange.py): a rank's tokens in local order, cut only
+    where two neighbours in local order are not neighbours in the sequence."""
+    seq = multiple * sequence_divisor(cp, hp)
+    for c in range(cp):
+        for h in range(hp):
+            runs = token_runs(seq, cp, hp, c, h)
+            assert torch.equal(torch.cat([torch.arange(first, first + n) for first, n in runs]),
+                               local_token_indices(seq, cp, hp, c, h))
+            assert all(a + n != b for (a, n), (b, _) in zip(runs, runs[1:])), runs
 
 
 def test_zigzag_balances_causal_work():
