@@ -47,18 +47,18 @@ class CausalConvPass(ShardedPass):
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
         tokens = local_token_count(gm)
+        found = [(scope, node) for scope in graph_scopes(gm) if scope.inline
+                 for node in scope.module.graph.nodes
+                 if node.op == "call_function" and node.target in CONV1D and _causal(node, tokens)]
+        if not found:
+            return {"matched": 0, "changed": [], "tokens_per_rank": tokens}
         # each rank's place in the group is read at run time, and the group's name is a keyword
         # ending in _group (which the ranks' graph comparison leaves out): one graph on every rank
         kwargs = ctx.mesh.scan_kwargs() | {"group_rank": None}
         runs = max(len(r) for r in group_runs(tokens * len(kwargs["places"]), kwargs["hp"],
                                               kwargs["cp"], kwargs["places"]))
-        changed = []
-        for scope in graph_scopes(gm):
-            if not scope.inline:
-                continue
-            for node in list(scope.module.graph.nodes):
-                if node.op == "call_function" and node.target in CONV1D and _causal(node, tokens):
-                    changed.append(_rewrite(scope.module.graph, node, kwargs, runs))
+        changed = [_rewrite(scope.module.graph, node, kwargs, runs) for scope, node in found]
+        for scope in {id(scope): scope for scope, _ in found}.values():
             scope.module.recompile()
         return {"matched": len(changed), "changed": changed, "tokens_per_rank": tokens}
 
@@ -66,7 +66,7 @@ class CausalConvPass(ShardedPass):
 def _causal(conv: torch.fx.Node, tokens: int) -> bool:
     """A depthwise causal convolution over this rank's tokens, kept to its first ``T`` outputs."""
     x, weight = example_value(conv.args[0]), example_value(node_arg(conv, "weight", 1, None))
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != tokens:
+    if tokens is None or not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != tokens:
         return False
     channels, kernel = x.shape[1], weight.shape[-1]
     if (tuple(weight.shape) != (channels, 1, kernel) or node_arg(conv, "groups", 6, 1) != channels

@@ -51,14 +51,14 @@ class GatedDeltaPass(ShardedPass):
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
         changed, kept = [], []
         for scope in graph_scopes(gm):
-            if not scope.inline:
-                continue
-            for region in _regions(scope.module.graph):
+            regions = _regions(scope.module.graph) if scope.inline else []
+            for region in regions:
                 try:
                     changed.append(_rewrite(scope.module.graph, region, ctx.mesh))
                 except _NotMatched as why:
                     kept.append({"module": module_path(region[0]), "reason": str(why)})
-            scope.module.recompile()
+            if regions:
+                scope.module.recompile()
         return {"matched": len(changed) + len(kept), "changed": changed, "kept": kept}
 
 

@@ -75,9 +75,10 @@ def expected_bytes(hp, cp, heads, kv_heads, seq, dtype, return_lse):
     per_token = BATCH * (seq // (hp * cp)) * HEAD_DIM  # per head, this rank's tokens
     a2a = (heads + 2 * max(kv_heads, hp) + heads) * per_token * elem * (hp - 1) // hp
     lse = BATCH * heads * (seq // (hp * cp)) * acc * (hp - 1) // hp if return_lse else 0
-    return {"fwd": {"p2p": (cp - 1) * kv_chunk * elem, "all_to_all": a2a + lse},
+    # attention gathers nothing (the all-gather counter is the scans')
+    return {"fwd": {"p2p": (cp - 1) * kv_chunk * elem, "all_to_all": a2a + lse, "all_gather": 0},
             "bwd": {"p2p": (cp - 1) * kv_chunk * elem + (cp * kv_chunk * acc if cp > 1 else 0),
-                    "all_to_all": a2a}}
+                    "all_to_all": a2a, "all_gather": 0}}
 
 
 def relative_error(got, want):
