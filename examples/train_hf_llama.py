@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from training import common_parser, init_distributed, train  # noqa: E402
+from training import common_parser, finish_distributed, init_distributed, train  # noqa: E402
 
 
 def build_model(args) -> torch.nn.Module:
@@ -51,3 +51,4 @@ def main(argv: list[str] | None = None) -> list[float]:
 
 if __name__ == "__main__":
     main()
+    finish_distributed()

@@ -24,6 +24,9 @@ import torch
 
 import loong_compile as lc
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from training import finish_distributed  # noqa: E402
+
 CHARS = " abcdefghijklmnopqrstuvwxyz0123456789.,:;()[]_=+-*/'\"#\n"
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 
@@ -104,4 +107,6 @@ def main(argv: list[str] | None = None) -> list[float]:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    trained = bool(main())
+    finish_distributed()
+    sys.exit(0 if trained else 1)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from llama import Llama, LlamaConfig  # noqa: E402
-from training import common_parser, init_distributed, train  # noqa: E402
+from training import common_parser, finish_distributed, init_distributed, train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -38,3 +38,4 @@ def main(argv: list[str] | None = None) -> list[float]:
 
 if __name__ == "__main__":
     main()
+    finish_distributed()

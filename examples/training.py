@@ -12,6 +12,7 @@ examples need no download.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import sysconfig
@@ -54,6 +55,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         if name == "disable_passes":
             parser.add_argument(flag, nargs="*", default=[], help="passes to skip")
+        elif name == "inductor_options":
+            parser.add_argument(flag, type=json.loads, default={},
+                                help='Inductor\'s config as JSON, e.g. \'{"max_autotune": true}\'')
         elif f.type in ("bool",):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         elif f.type in ("float | str", "int | str"):  # alpha, lm_head_chunk: "auto" or a number
@@ -78,6 +82,15 @@ def init_distributed() -> None:
         dist.init_process_group(backend)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def finish_distributed() -> None:
+    """Under torchrun: every rank waits for the others, then leaves the process group.  A rank
+    that exits with the group still open can abort in gloo's threads ("terminate called without
+    an active exception") while a slower rank still reads the store, failing the whole run."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def device() -> torch.device:

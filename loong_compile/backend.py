@@ -237,7 +237,13 @@ class _GraphCompile:
             # the user asked to see, and their reports (the memory plan's pools, bound and
             # peaks, the overlap read from the generated code) would be missing.
             patches["fx_graph_cache"] = False
-        return patches
+        taken = sorted(set(self.config.inductor_options) & set(patches))
+        if taken:
+            raise LoongConfigError(
+                f"inductor_options sets {', '.join(map(repr, taken))}",
+                "the backend sets these itself for this compile (its passes run through them)",
+                f"remove {', '.join(map(repr, taken))} from inductor_options")
+        return {**self.config.inductor_options, **patches}
 
     def _plan_memory(self, request: Any) -> None:
         """One compiled graph's buffers (a ``_compat.inductor_pools.PoolRequest``) through the inductor stage."""

@@ -9,10 +9,12 @@ and ops can trust the values they read.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
+from loong_compile._compat.inductor import inductor_option_names
 from loong_compile.errors import LoongConfigError
 from loong_compile.parallel.rules import (
     ACTIVATION_POLICIES, PLACEMENTS, ActivationPolicy, Placement, inner_ring_violation,
@@ -47,6 +49,10 @@ class LoongConfig:
     dump_dir: write graphs and reports here (per rank, per graph, per stage).
     disable_passes: names of passes to skip.
     lowering: ``inductor``; ``aot_eager`` / ``eager`` for debugging.
+    inductor_options: Inductor's config for this compile only, as ``torch.compile(options=)``
+        gives it to ``backend="inductor"`` (``{"max_autotune": True}``, ``{"cpp.simdlen": 1}``);
+        names from ``torch._inductor.list_options()``.  The hooks the backend sets itself
+        (``backend.py::_inductor_patches``) are refused.
     allow_graphs_without_attention: let a multi-rank graph with no attention call run on each
         rank's tokens alone.  Off by default: the token analysis cannot see inside opaque ops, so a
         graph whose attention the backend did not recognise would otherwise run locally, wrong.
@@ -75,6 +81,7 @@ class LoongConfig:
     dump_dir: str | None = None
     disable_passes: tuple[str, ...] = ()
     lowering: str = "inductor"
+    inductor_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     allow_graphs_without_attention: bool = False
     token_local_ops: tuple[str, ...] = ()
     rank_check_timeout: float = 300.0
@@ -166,6 +173,12 @@ def _coerce(key: str, value: Any, from_env: bool = False) -> Any:
                                "use 1/0, true/false, yes/no or on/off")
     if key == "dump_dir":
         return value or None
+    if key == "inductor_options":
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise LoongConfigError(f"{ENV_PREFIX}{key.upper()}={value!r}", "expected a JSON object",
+                                   f"set e.g. {ENV_PREFIX}{key.upper()}='{{\"max_autotune\": true}}'") from None
     return value
 
 
@@ -217,6 +230,14 @@ def _check(key: str, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise bad("resident_layers must be an integer >= 0",
                       "pass resident_layers=2 (MEMO's default) or another count of layers")
+    elif key == "inductor_options":
+        if not isinstance(value, Mapping):
+            raise bad("inductor_options must be a dict of Inductor config names to values",
+                      'pass e.g. inductor_options={"max_autotune": True}')
+        unknown = sorted(set(value) - inductor_option_names())
+        if unknown:
+            raise bad(f"{', '.join(map(repr, unknown))} is not an Inductor config name "
+                      "(torch._inductor.list_options())", "remove it or correct its spelling")
     elif key in ("memory_plan", "allow_graphs_without_attention"):
         if not isinstance(value, bool):
             raise bad(f"{key} must be True or False", f"pass {key}=True or {key}=False")

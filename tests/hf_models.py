@@ -205,6 +205,17 @@ def _qwen3_next(attn, window):
         linear_num_value_heads=4, mlp_only_layers=[0, 1]))
 
 
+def _qwen3_5(attn, window):
+    # Qwen3-Next's gated DeltaNet layer beside attention, without experts, in a model that
+    # numbers its tokens on four rotary axes (position_ids expanded to (4, batch, tokens))
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+        **_common(attn) | {"num_hidden_layers": 2}, head_dim=8,
+        layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4))
+
+
 def _falcon_h1(attn, window):
     # Mamba2 mixer (a causal conv1d and a selective scan) beside attention in every layer
     from transformers import FalconH1Config, FalconH1ForCausalLM
@@ -253,7 +264,7 @@ def _lfm2(attn, window):
 
 MIXING_ARCHITECTURES = {"falcon_h1": _falcon_h1}
 # token mixers with a state that the scans stage makes exact
-SCAN_ARCHITECTURES = {"lfm2": _lfm2, "qwen3_next": _qwen3_next}
+SCAN_ARCHITECTURES = {"lfm2": _lfm2, "qwen3_next": _qwen3_next, "qwen3_5": _qwen3_5}
 ATTENTION_VARIANTS = {"llama4": _llama4, "gpt_oss": _gpt_oss, "gemma2": _gemma2}
 WINDOWED = ("qwen2", "qwen3", "mistral", "gemma3", "phi3", "starcoder2", "exaone4", "cohere2")
 

@@ -268,6 +268,26 @@ def test_global_inductor_config_is_left_unchanged():
     assert fconfig.force_non_lazy_backward_lowering == f_before
 
 
+@pytest.mark.parametrize("simdlen,vectorized", [(None, True), (1, False)])
+def test_inductor_options_reach_this_compile_only(simdlen, vectorized):
+    import torch._inductor.config as iconfig
+
+    from loong_compile._compat.inductor import generated_code
+
+    options = {} if simdlen is None else {"inductor_options": {"cpp.simdlen": simdlen}}
+    compiled = torch.compile(lambda x: (x * 2).sin().sum(-1), backend=LoongBackend(options))
+    _, code = generated_code(compiled, torch.randn(64, 256))
+    assert ("at::vec::" in "\n".join(code)) == vectorized
+    assert iconfig.cpp.simdlen is None
+
+
+def test_inductor_options_may_not_set_the_backends_own_hooks():
+    compiled = torch.compile(lambda x: x.sin(), backend=LoongBackend(
+        {"inductor_options": {"post_grad_custom_post_pass": None}}))
+    with pytest.raises(Exception, match="inductor_options sets 'post_grad_custom_post_pass'.*fix: remove"):
+        compiled(torch.randn(4))
+
+
 def test_single_process_needs_no_process_group():
     import torch.distributed as dist
 

@@ -10,6 +10,7 @@ GOOD = {
     "resident_layers": 0, "memory_plan": True, "solver_time_limit": 3.5, "dump_dir": "out/",
     "disable_passes": ("attention_2d",), "lowering": "aot_eager", "allow_graphs_without_attention": True,
     "token_local_ops": ("liger::rms_norm",), "rank_check_timeout": 30.0, "lm_head_chunk": 512,
+    "inductor_options": {"cpp.simdlen": 1, "max_autotune": False},
 }
 
 BAD = {
@@ -32,6 +33,7 @@ BAD = {
     "token_local_ops": [["rms_norm"], [3]],
     "rank_check_timeout": [0, -1, "soon"],
     "lm_head_chunk": [0, -4, "big", 1.5, True, None],
+    "inductor_options": [{"max_autotuen": True}, [("max_autotune", True)], "max_autotune"],
 }
 
 
@@ -99,7 +101,7 @@ ENV = {
     "LOONG_SOLVER_TIME_LIMIT": "2", "LOONG_DUMP_DIR": "/tmp/d", "LOONG_DISABLE_PASSES": "a,b",
     "LOONG_LOWERING": "eager", "LOONG_ALLOW_GRAPHS_WITHOUT_ATTENTION": "1",
     "LOONG_TOKEN_LOCAL_OPS": "liger::rms_norm", "LOONG_RANK_CHECK_TIMEOUT": "20",
-    "LOONG_LM_HEAD_CHUNK": "256", "PATH": "/bin",
+    "LOONG_LM_HEAD_CHUNK": "256", "LOONG_INDUCTOR_OPTIONS": '{"cpp.simdlen": 1}', "PATH": "/bin",
 }
 
 
@@ -111,7 +113,7 @@ def test_environment_sets_every_key():
                               solver_time_limit=2.0, dump_dir="/tmp/d", disable_passes=("a", "b"),
                               lowering="eager", allow_graphs_without_attention=True,
                               token_local_ops=("liger::rms_norm",), rank_check_timeout=20.0,
-                              lm_head_chunk=256)
+                              lm_head_chunk=256, inductor_options={"cpp.simdlen": 1})
     assert {f"LOONG_{f.name.upper()}" for f in dataclasses.fields(LoongConfig)} <= set(ENV)
 
 
@@ -127,6 +129,7 @@ def test_options_override_environment():
     ("LOONG_HOST_BANDWIDTH", "fast", "LOONG_HOST_BANDWIDTH='fast'.*bytes/s"),
     ("LOONG_RESIDENT_LAYERS", "-1", "resident_layers=-1.*>= 0"),
     ("LOONG_FOO", "1", "unknown environment variable LOONG_FOO"),
+    ("LOONG_INDUCTOR_OPTIONS", "max_autotune=1", "LOONG_INDUCTOR_OPTIONS='max_autotune=1'.*JSON object"),
 ])
 def test_bad_environment(name, value, match):
     with pytest.raises(LoongConfigError, match=match):

@@ -259,6 +259,7 @@ def test_trainer_equals_one_process(tmp_path):
     _run_family(CASES, tmp_path)
 
 
+@pytest.mark.compat   # torch 2.11's Dynamo broke the graph at transformers' embedding hook
 def test_sft_trainer_equals_one_process(tmp_path):
     """trl.SFTTrainer with packing (BFD, padding-free rows: position ids per document) over 2
     replicas, and with padding (attention mask, right-padded rows) at hp=2 x cp=2."""

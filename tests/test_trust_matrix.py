@@ -1,7 +1,7 @@
 """Exact or refused: 23 Hugging Face architectures x attention x windows x users' habits, three
 whose attention is chunked (Llama 4), has sinks (gpt-oss) or softcapped scores (Gemma 2,
 refused), two that mix tokens outside attention through a state the scans stage carries across
-ranks (LFM2's short convolution, Qwen3-Next's convolution and gated DeltaNet), and one it does
+ranks (LFM2's short convolution, Qwen3-Next's and Qwen3.5's convolution and gated DeltaNet), and one it does
 not yet (Falcon-H1's Mamba-2 mixer: refused whatever the habit).
 
 The cells run a dozen per ``run_distributed`` call on the session's kept ranks
@@ -93,7 +93,7 @@ HP_CASES = [Case("mistral", window=WINDOW_SHORT), Case("llama"), Case("qwen3", h
             Case("gpt2", habit="no_position_ids")]
 HP_CASES += [Case(arch) for arch in MIXING] + [Case("llama4"), Case("gpt_oss", attn="eager"),
                                                 Case("gemma2", attn="eager"), Case("lfm2"),
-                                                Case("qwen3_next")]
+                                                Case("qwen3_next"), Case("qwen3_5")]
 
 
 @pytest.fixture(scope="module")

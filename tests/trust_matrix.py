@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -38,7 +39,7 @@ FLOAT32_MODELS = MOE + ("gpt_oss", "llama4")
 # the models whose scan kernel computes in float32 whatever the model's dtype (transformers' gated
 # delta rule casts): judged within twice one process's own float32 error, against one process
 # with the recurrence computed token by token in float64 in its place (_float64_kernel)
-FLOAT32_KERNELS = ("qwen3_next",)
+FLOAT32_KERNELS = ("qwen3_next", "qwen3_5")
 # the eager attention chains whose softmax stays in the model's dtype (the others upcast to float32)
 FLOAT64_SOFTMAX = ("gpt2", "falcon")
 # every architecture gets the habits that depend on its code; the habits that depend on
@@ -279,10 +280,11 @@ def reference(case: Case, dtype: torch.dtype | None = None,
 
 
 @contextlib.contextmanager
-def _float64_kernel():
-    """transformers' ``torch_chunk_gated_delta_rule`` replaced, while inside, by the recurrence
-    token by token in the model's dtype (what its float32 kernel approximates)."""
-    from transformers.models.qwen3_next import modeling_qwen3_next as module
+def _float64_kernel(arch: str):
+    """The model's ``torch_chunk_gated_delta_rule`` (transformers' modeling module of ``arch``)
+    replaced, while inside, by the recurrence token by token in the model's dtype (what its
+    float32 kernel approximates)."""
+    module = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
 
     def exact(query, key, value, g, beta, use_qk_l2norm_in_kernel=False, **kwargs):
         heads = value.size(2)
@@ -319,7 +321,7 @@ def tolerance(case: Case) -> float:
     grouped_mm against one matmul per expert on a rank, 3e-7), and for bf16 twice one
     process's own bf16 error against float64."""
     if case.arch in FLOAT32_KERNELS:
-        with _float64_kernel():
+        with _float64_kernel(case.arch):
             exact = reference(case)
         return 2 * relative_error(reference(case), exact)
     if case.habit == "bf16":

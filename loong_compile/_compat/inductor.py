@@ -19,6 +19,14 @@ def compile_fx(gm, example_inputs, config_patches):
     return _compile_fx(gm, example_inputs, config_patches=config_patches)
 
 
+@functools.cache
+def inductor_option_names() -> frozenset[str]:
+    """The names ``compile_fx``'s config patches accept (``cpp.simdlen``, ``max_autotune``, ...)."""
+    import torch._inductor
+
+    return frozenset(torch._inductor.list_options())
+
+
 class KeyedHook:
     """A hook object Inductor can hash: it pickles as its cache key alone.
 

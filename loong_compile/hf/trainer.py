@@ -127,6 +127,7 @@ class LoongTrainerMixin:
                                    "returns the loss only (a rank holds its tokens' logits only)",
                                    "ask for the loss alone")
         state = self._loong
+        _drop_no_op_input_grad_hooks(self.model)
         if num_items_in_batch is None:
             num_items_in_batch = self._count_labels([inputs], inputs["labels"].device)
         batch = cut_batch(inputs, state.mesh, pad_token_id=state.pad_token_id,
@@ -202,6 +203,19 @@ class LoongTrainerMixin:
         if state.end_of_dataloader and state.remainder > 0:   # as gather_for_metrics drops
             gathered = gathered[:state.remainder]             # the last batch's refills
         return gathered
+
+
+def _drop_no_op_input_grad_hooks(model: torch.nn.Module) -> None:
+    """transformers' gradient checkpointing hooks the input embeddings to make their output
+    require grad (``enable_input_require_grads``: for frozen embeddings, under PEFT).  Where the
+    embedding's weight requires grad its output already does and the hook does nothing, but
+    Dynamo before torch 2.13 breaks the graph at its ``requires_grad_()``: the embedding became
+    a graph of its own, without attention, which the backend refuses.  Such a hook is removed
+    (the Trainer installs it when training starts, after ``parallelize``)."""
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    weight = getattr(embeddings, "weight", None)
+    if getattr(model, "_require_grads_hooks", None) and weight is not None and weight.requires_grad:
+        model.disable_input_require_grads()
 
 
 def _deal_by_replica(loader, mesh):

@@ -134,12 +134,20 @@ def test_memo_report_per_layer_matches_the_formulas():
                        "offloaded_bytes": 0, "recomputed_bytes": 0}
 
 
+@pytest.mark.compat
 def test_hf_layers_and_categories():
+    """The same skeleton as ours on every torch, but for one copy on torch < 2.13: there
+    transformers builds its causal mask under compile, the one-rank attention pass makes that
+    call 2D-Attention, whose ``out`` is head-major ((B, H, S, D) contiguous) where SDPA's CPU
+    kernel returns it token-major, so the model's ``transpose(1, 2).contiguous()`` copies it and
+    o_proj saves the copy (B·S·D floats more among the others; docs/compat.md)."""
     _, _, report = reference("hf")
     summary = report.summary("activations")
     assert [r["layer"] for r in summary["layers"]] == ["model.layers.0", "model.layers.1"]
+    copy = 0 if _compat.has("dynamo_traces_is_exporting") else BATCH * SEQ * DIM * 4
     for row, want in zip(summary["layers"], (skeletal_bytes(), skeletal_bytes(last=True))):
-        assert {c: row[c]["bytes"] for c in want} == want   # the same skeleton as ours
+        want["other"] += copy
+        assert {c: row[c]["bytes"] for c in want} == want
 
 
 @pytest.mark.compat
