@@ -14,7 +14,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from loong_compile._compat.inductor import inductor_option_names
 from loong_compile.errors import LoongConfigError
 from loong_compile.parallel.rules import (
     ACTIVATION_POLICIES, PLACEMENTS, ActivationPolicy, Placement, inner_ring_violation,
@@ -234,6 +233,9 @@ def _check(key: str, value: Any) -> None:
         if not isinstance(value, Mapping):
             raise bad("inductor_options must be a dict of Inductor config names to values",
                       'pass e.g. inductor_options={"max_autotune": True}')
+        # torch only here: the estimator and the CLI import this module without it
+        from loong_compile._compat.inductor import inductor_option_names
+
         unknown = sorted(set(value) - inductor_option_names())
         if unknown:
             raise bad(f"{', '.join(map(repr, unknown))} is not an Inductor config name "
