@@ -44,6 +44,7 @@ def library_passes() -> list:
     from loong_compile.passes.safety.token_locality import TokenLocalityPass
     from loong_compile.passes.scans.causal_conv import CausalConvPass
     from loong_compile.passes.scans.gated_delta import GatedDeltaPass
+    from loong_compile.passes.scans.mamba2 import Mamba2Pass
     from loong_compile.passes.schedule.comm_overlap import CommOverlapPass
     from loong_compile.passes.schedule.exchange_order import ExchangeOrderPass
     from loong_compile.passes.schedule.prefetch_order import PrefetchOrderPass
@@ -56,6 +57,7 @@ def library_passes() -> list:
         SequenceLossPass(),
         CausalConvPass(),
         GatedDeltaPass(),
+        Mamba2Pass(),
         TokenLocalityPass(),
         LMHeadLossPass(),
         # joint, split

@@ -299,3 +299,23 @@ def sequential_recurrence(q, k, v, g, beta=None) -> torch.Tensor:
         state = state + kt * written.unsqueeze(-2)
         out.append((state * q[:, :, t, :, None]).sum(-2))
     return torch.stack(out, 2)
+
+
+def mamba2_recurrence(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bias=None,
+                      initial_states=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                      return_final_states=False, **kwargs):
+    """transformers' ``mamba2_chunk_scan`` (its arguments; the state of a cache zeros) token by
+    token in the inputs' dtype: ``sequential_recurrence`` without the delta rule."""
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    heads = hidden_states.size(2)
+    B, C = (x.repeat_interleave(heads // x.size(2), dim=2) for x in (B, C))
+    q, k, v, g = (x.transpose(1, 2) for x in (C, B, hidden_states * dt[..., None], A * dt))
+    out = sequential_recurrence(q, k, v, g).transpose(1, 2).contiguous()   # the model views it
+    if D is not None:
+        out = out + D[..., None] * hidden_states
+    state = out.new_zeros(out.size(0), heads, out.size(-1), B.size(-1))  # a cache's only
+    return (out, state) if return_final_states else out

@@ -193,8 +193,8 @@ ARCHITECTURES = {
 MOE = ("mixtral", "qwen3moe", "olmoe", "deepseek_v3_moe")
 
 
-# Architectures that mix tokens outside attention (a scan, a convolution): refused by name under
-# hp*cp > 1 (tests/test_trust_matrix.py).  MLPs dense, so that the refusal is the mixing's.
+# Architectures that mix tokens outside attention (a scan, a convolution), made exact across ranks
+# by the scans stage (passes/scans/).  MLPs dense, so that what is judged is the mixing.
 def _qwen3_next(attn, window):
     # gated delta rule (a causal conv1d and a chunked recurrence) in the linear-attention layer
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -262,9 +262,9 @@ def _lfm2(attn, window):
         conv_L_cache=4))
 
 
-MIXING_ARCHITECTURES = {"falcon_h1": _falcon_h1}
 # token mixers with a state that the scans stage makes exact
-SCAN_ARCHITECTURES = {"lfm2": _lfm2, "qwen3_next": _qwen3_next, "qwen3_5": _qwen3_5}
+SCAN_ARCHITECTURES = {"lfm2": _lfm2, "qwen3_next": _qwen3_next, "qwen3_5": _qwen3_5,
+                      "falcon_h1": _falcon_h1}
 ATTENTION_VARIANTS = {"llama4": _llama4, "gpt_oss": _gpt_oss, "gemma2": _gemma2}
 WINDOWED = ("qwen2", "qwen3", "mistral", "gemma3", "phi3", "starcoder2", "exaone4", "cohere2")
 
@@ -273,6 +273,6 @@ def build(arch: str, attn: str = "sdpa", window: int | None = None,
           dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.nn.Module:
     """The model in train mode, weights drawn from ``seed``, cast to ``dtype``."""
     torch.manual_seed(seed)
-    model = (ARCHITECTURES | MIXING_ARCHITECTURES | SCAN_ARCHITECTURES | ATTENTION_VARIANTS)[arch](
+    model = (ARCHITECTURES | SCAN_ARCHITECTURES | ATTENTION_VARIANTS)[arch](
         attn, window)
     return model.to(dtype).train()

@@ -48,12 +48,6 @@ REFUSED_HABITS = {
 }
 # GPT-2's loss runs in a graph of its own after a graph break: no attention in it
 NO_ATTENTION = ("LoongTokenMixingError", ["no attention call", "allow_graphs_without_attention"])
-# what mixes tokens outside attention, named (issue 23)
-MIXING = {
-    "falcon_h1": ("LoongTokenMixingError", ["attention type is hybrid", "hp=cp=1"]),
-}
-
-
 # Gemma 2's eager attention softcaps its scores (tanh), which 2D-Attention does not compute
 SOFTCAPPED = ("LoongUnsupportedError", ["attention written as ops", "softcapped score",
                                         "attn_logit_softcapping", "hp=cp=1"])
@@ -66,8 +60,6 @@ EAGER_PADDING = ("LoongUnsupportedError", ["attention written as ops", "hides pa
 
 def expected(case: Case) -> tuple[str, list[str]] | None:
     """(error class, message words) for a refused case; None for an exact one."""
-    if case.arch in MIXING:
-        return MIXING[case.arch]
     if case.arch == "gemma2":
         return SOFTCAPPED
     if case.attn == "eager" and "padding" in case.habit:
@@ -91,9 +83,8 @@ HP_CASES = [Case("mistral", window=WINDOW_SHORT), Case("llama"), Case("qwen3", h
             Case("falcon"), Case("granite", habit="shift_labels"),
             Case("llama", habit="grad_ckpt_reentrant"), Case("llama", habit="eval_no_grad"),
             Case("gpt2", habit="no_position_ids")]
-HP_CASES += [Case(arch) for arch in MIXING] + [Case("llama4"), Case("gpt_oss", attn="eager"),
-                                                Case("gemma2", attn="eager"), Case("lfm2"),
-                                                Case("qwen3_next"), Case("qwen3_5")]
+HP_CASES += [Case("llama4"), Case("gpt_oss", attn="eager"), Case("gemma2", attn="eager"),
+             Case("lfm2"), Case("qwen3_next"), Case("qwen3_5"), Case("falcon_h1")]
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,8 @@ graph most:
   the document), LFM2 (a short causal convolution across ranks: its halo exchanged, issue 37)
   and Qwen3-Next (its convolution, and its gated DeltaNet recurrence with the state exchanged;
   judged within twice one process's own error, its kernel computing in float32), both also at
-  cp = 4; Qwen3.5 (the same ops, positions on four rotary axes) under none, and at cp = 4.
+  cp = 4; Qwen3.5 (the same ops, positions on four rotary axes) and Falcon-H1 (Mamba-2's scan
+  beside attention) under none, and at cp = 4.
 
 A window, padding or packed documents make 2D-Attention's masked op, which the activation
 passes did not take for attention: sc++ and memo found no layer there and did nothing, with
@@ -91,9 +92,10 @@ SCANS = [Case("lfm2"), Case("qwen3_next")]
 for cases in POLICY_CASES.values():
     cases += [BALANCED, *SCANS]
 # Qwen3.5: the same two ops as Qwen3-Next's (whose cells cover every policy), in a model that
-# expands its positions to four rotary axes
-QWEN3_5 = Case("qwen3_5")
-POLICY_CASES["none"].append(QWEN3_5)
+# expands its positions to four rotary axes; Falcon-H1: Mamba-2's scan (ops.gated_scan.mamba2_scan,
+# gated_scan without the delta rule) beside attention in every layer
+ONE_POLICY_SCANS = [Case("qwen3_5"), Case("falcon_h1")]
+POLICY_CASES["none"] += ONE_POLICY_SCANS
 # what the policy must have done in each case's graphs (run_case's work_done)
 WORK = {
     "sc++": lambda done: done["recompute_tags"] > 0,
@@ -118,7 +120,7 @@ def test_case_is_exact_under_inductor_at_hp2_cp2(policy, case):
 # cp = 4: every run but the first takes its halo and its start state from another rank
 @pytest.mark.slow
 @pytest.mark.timeout(CASE_TIMEOUT + 60)
-@pytest.mark.parametrize("case", [*SCANS, QWEN3_5], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [*SCANS, *ONE_POLICY_SCANS], ids=lambda c: c.name)
 def test_scans_are_exact_under_inductor_at_cp4(case):
     _check_under_inductor("none", case, hp=1, cp=4)
 

@@ -99,6 +99,8 @@ def sliding_window(attention: torch.nn.Module | None, root: torch.nn.Module | No
     if kind in (FULL_LAYER, CHUNKED_LAYER):
         return None
     if kind not in (None, WINDOWED_LAYER):
+        if _no_window_or_chunk_anywhere(attention, config):
+            return None     # Falcon-H1's "hybrid" layers: full attention beside a Mamba-2 mixer
         raise UnknownLayerType(kind)
     if attention is not None and hasattr(attention, "sliding_window"):
         return _positive_int(attention.sliding_window) or (
@@ -106,6 +108,15 @@ def sliding_window(attention: torch.nn.Module | None, root: torch.nn.Module | No
     if config is None or (kind is None and getattr(config, "use_sliding_window", True) is False):
         return None
     return _positive_int(getattr(config, "sliding_window", None))
+
+
+def _no_window_or_chunk_anywhere(attention: torch.nn.Module | None, config: Any) -> bool:
+    """Neither the module nor its config keeps a window or a chunk size: whatever its layer type
+    is called, the layer can mask nothing but causally (its mask, where the graph has one, is
+    proven from the graph as every mask is)."""
+    places = (attention, config)
+    return not any(getattr(p, name, None) for p in places
+                   for name in ("sliding_window", "attention_chunk_size"))
 
 
 def chunk_size(attention: torch.nn.Module | None, root: torch.nn.Module | None) -> int | None:

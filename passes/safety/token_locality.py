@@ -42,7 +42,7 @@ import torch.fx
 
 from loong_compile.errors import LoongTokenMixingError
 from loong_compile.ops import attention_2d, causal_conv1d
-from loong_compile.ops.gated_scan import gated_delta_rule
+from loong_compile.ops.gated_scan import gated_delta_rule, mamba2_scan
 from loong_compile.ops.sequence import sequence_label_count
 from loong_compile.passes.attention.attention_2d import ATTENTION_SITES
 from loong_compile.passes.base import PassContext, ShardedPass
@@ -351,7 +351,7 @@ class _Analysis:
 
 
 # the ops that combine a rank's tokens with the other ranks' exactly: what the rewrites emit
-EXACT_MIXERS = (attention_2d, causal_conv1d, gated_delta_rule)
+EXACT_MIXERS = (attention_2d, causal_conv1d, gated_delta_rule, mamba2_scan)
 # ops whose result is a value of the whole sequence, the same on every rank of it: not token data
 SEQUENCE_VALUES = (sequence_label_count,)
 _SUM_FIX = ("sum the per-token losses and divide by the global count of label tokens: "
@@ -362,6 +362,7 @@ _AUX_LOSS = "load_balancing_loss_func"
 # transformers' torch fallbacks of the recurrences the scans stage does not match yet, named in
 # the message (the token rules refuse what they do on local tokens)
 _UNREWRITTEN_SCANS = {"torch_chunk_gated_delta_rule": "gated DeltaNet, Qwen3-Next and Qwen3.5",
+                      "mamba2_chunk_scan": "Mamba-2's selective scan",
                       "torch_forward": "a Mamba-2 mixer's selective scan"}
 _AUX_LOSS_FIX = ("pass output_router_logits=False; to train with the loss, compute it outside the "
                  "compiled model from the router_logits it returns, with the expert counts summed "

@@ -1,6 +1,6 @@
 """Stage ``dynamo``, after the attention stage and before token safety: token mixers with a state
-(the short causal convolutions of hybrid models, gated DeltaNet's recurrence; Mamba-2's is not
-matched yet) rewritten into the exact ops of ``loong_compile/ops/causal_conv.py`` and
+(the short causal convolutions of hybrid models, gated DeltaNet's recurrence, Mamba-2's selective
+scan) rewritten into the exact ops of ``loong_compile/ops/causal_conv.py`` and
 ``ops/gated_scan.py``.
 
 Needs: the Dynamo FX graph with ``example_value`` on every node, and the mesh.

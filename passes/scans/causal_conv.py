@@ -35,6 +35,7 @@ from loong_compile.passes.fx_util import insert_dynamo_call, module_path, source
 from loong_compile.passes.safety.token_locality import local_token_count
 from loong_compile.passes.safety.token_ops import example_value, node_arg
 from loong_compile.passes.scans import SCAN_SITES
+from loong_compile.passes.scans.regions import SOURCE_META
 from loong_compile.passes.subgraphs import graph_scopes
 
 CONV1D = (torch.conv1d, F.conv1d)
@@ -94,8 +95,7 @@ def _rewrite(graph: torch.fx.Graph, conv: torch.fx.Node, kwargs: dict, runs: int
     with graph.inserting_before(conv):
         call = graph.call_function(causal_conv1d, (x, kernel_2d, bias), dict(kwargs))
     # the value of what it replaces (the op is not run here: it would exchange with the ranks)
-    call.meta.update({k: v for k, v in next(iter(conv.users)).meta.items()
-                      if k in ("example_value", "stack_trace", "nn_module_stack", "source_fn_stack")})
+    call.meta.update({k: v for k, v in next(iter(conv.users)).meta.items() if k in SOURCE_META})
     for use in list(conv.users):
         use.replace_all_uses_with(call)
         graph.erase_node(use)

@@ -8,8 +8,9 @@ gradients summed, must equal the sequential computation of one process on the wh
 a causal convolution with left padding, the recurrence token by token.  The cases put chunk
 boundaries inside a convolution's kernel (runs of 2 tokens under a kernel of 4), a kernel of one
 token (nothing exchanged), the heads split over an HP group, and sequences that are not a
-multiple of the recurrence's chunk.  The bytes each rank sends are the formula of
-docs/attention.md ("Scans").
+multiple of the recurrence's chunk, and transformers' Mamba-2 scan around the recurrence
+(``mamba2_scan``: its dt rule, groups and skip, in float32 as transformers computes it).  The
+bytes each rank sends are the formula of docs/attention.md ("Scans").
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import sequential_recurrence
+from helpers import mamba2_recurrence, sequential_recurrence
 from loong_compile.testing import run_distributed
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
 
 B, C, H, DK, DV = 2, 6, 4, 3, 5
+GROUPS = 2   # Mamba-2's groups of B and C (each serves H / GROUPS heads)
 
 
 def conv_inputs(seq: int, kernel: int) -> tuple[torch.Tensor, ...]:
@@ -44,6 +46,17 @@ def scan_inputs(seq: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def mamba2_inputs(seq: int) -> dict[str, torch.Tensor]:
+    """transformers' ``mamba2_chunk_scan`` arguments (state DK, head dim DV) and an upstream
+    gradient, float64."""
+    gen = torch.Generator().manual_seed(seq + 1)
+    shapes = {"x": (B, seq, H, DV), "dt": (B, seq, H), "A": (H,), "B": (B, seq, GROUPS, DK),
+              "C": (B, seq, GROUPS, DK), "D": (H,), "dt_bias": (H,), "grad": (B, seq, H, DV)}
+    out = {name: torch.randn(*shape, generator=gen, dtype=torch.float64) for name, shape in shapes.items()}
+    out["A"] = -out["A"].abs()
+    return out
+
+
 def conv_reference(x, weight, bias):
     return F.conv1d(x, weight.unsqueeze(1), bias, padding=weight.size(-1) - 1, groups=x.size(1))[..., :x.size(-1)]
 
@@ -52,7 +65,7 @@ def _on_rank(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import loong_compile as lc
     from loong_compile.ops import comm_counters, reset_comm_counters
     from loong_compile.ops.causal_conv import causal_conv1d
-    from loong_compile.ops.gated_scan import gated_scan
+    from loong_compile.ops.gated_scan import gated_scan, mamba2_scan
     from loong_compile.parallel.tokens import local_token_indices, mesh_token_indices
 
     results = []
@@ -68,6 +81,18 @@ def _on_rank(rank: int, world: int, cases: list[dict]) -> list[dict]:
             sent = comm_counters()["all_gather"]
             out.backward(grad[..., index])
             grads = {"x": x.grad, "weight": weight.grad, "bias": bias.grad}
+        elif case["op"] == "mamba2":    # before the head all-to-all: the rank's tokens, every head
+            index = mesh_token_indices(case["seq"], mesh)
+            full = mamba2_inputs(case["seq"])
+            leaves = {n: (t[:, index] if t.dim() > 1 else t).clone().requires_grad_()
+                      for n, t in full.items() if n != "grad"}
+            out = mamba2_scan(*(leaves[n] for n in ("x", "dt", "A", "B", "C", "D", "dt_bias")),
+                              dt_softplus=True, dt_min=0.0, dt_max=float("inf"), hp=mesh.hp,
+                              cp=mesh.cp, hp_group=mesh.group_names["hp"],
+                              cp_group=mesh.group_names["dkv_outer"])
+            sent = comm_counters()["all_gather"]
+            out.backward(full["grad"][:, index])
+            grads = {n: t.grad for n, t in leaves.items()}
         else:   # after the head all-to-all: the CP shard, this HP rank's heads
             index = local_token_indices(case["seq"], mesh.cp, 1, mesh.cp_rank, 0)
             heads = slice(mesh.hp_rank * H // mesh.hp, (mesh.hp_rank + 1) * H // mesh.hp)
@@ -97,6 +122,18 @@ def _assemble(case: dict, per_rank: list[dict]) -> tuple[torch.Tensor, dict]:
             grads["weight"] = grads["weight"] + r["grads"]["weight"]
             grads["bias"] = grads["bias"] + r["grads"]["bias"]
         return out, grads
+    if case["op"] == "mamba2":
+        full = mamba2_inputs(case["seq"])
+        out = torch.zeros_like(full["x"])
+        grads = {n: torch.zeros_like(full[n]) for n in per_rank[0]["grads"]}
+        for r in per_rank:
+            out[:, r["index"]] = r["out"]
+            for n, g in r["grads"].items():
+                if g.dim() > 1:
+                    grads[n][:, r["index"]] += g
+                else:
+                    grads[n] += g
+        return out, grads
     full = scan_inputs(case["seq"])
     out = torch.zeros_like(full["v"])
     grads = {n: torch.zeros_like(full[n]) for n in per_rank[0]["grads"]}
@@ -115,6 +152,11 @@ def _reference(case: dict) -> tuple[torch.Tensor, dict]:
         for t in leaves.values():
             t.requires_grad_()
         out = conv_reference(x, weight, bias)
+    elif case["op"] == "mamba2":
+        leaves = {n: t.requires_grad_() for n, t in mamba2_inputs(case["seq"]).items()}
+        grad = leaves.pop("grad").detach()
+        out = mamba2_recurrence(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"],
+                                D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True)
     else:
         full = scan_inputs(case["seq"])
         grad = full.pop("grad")
@@ -137,6 +179,8 @@ def _expected_bytes(case: dict) -> int:
                for c in range(case["cp"]) for h in range(hp))
     if case["op"] == "conv":
         return halo_bytes(B, C, case["kernel"], runs, 8) * (size - 1) if size > 1 else 0
+    if case["op"] == "mamba2":    # float32, as transformers computes it
+        return state_bytes(B, H // case["hp"], DK, DV, False, runs, 4) * (size - 1)
     return state_bytes(B, H // case["hp"], DK, DV, case["delta"], runs, 8) * (size - 1)
 
 
@@ -144,22 +188,31 @@ CASES = {
     2: [{"op": "conv", "hp": 1, "cp": 2, "seq": 24, "kernel": 4},
         {"op": "conv", "hp": 2, "cp": 1, "seq": 24, "kernel": 4},
         {"op": "scan", "hp": 1, "cp": 2, "seq": 28, "delta": True, "chunk": 4},
-        {"op": "scan", "hp": 1, "cp": 2, "seq": 28, "delta": False, "chunk": 4}],
+        {"op": "scan", "hp": 1, "cp": 2, "seq": 28, "delta": False, "chunk": 4},
+        {"op": "mamba2", "hp": 1, "cp": 2, "seq": 28}],
     4: [{"op": "conv", "hp": 1, "cp": 4, "seq": 24, "kernel": 4},     # runs of 3: halo of 3
         {"op": "conv", "hp": 2, "cp": 2, "seq": 24, "kernel": 4},
         {"op": "conv", "hp": 1, "cp": 4, "seq": 24, "kernel": 1},     # no halo: nothing sent
         {"op": "scan", "hp": 1, "cp": 4, "seq": 40, "delta": True, "chunk": 4},
         {"op": "scan", "hp": 2, "cp": 2, "seq": 40, "delta": True, "chunk": 4},
-        {"op": "scan", "hp": 1, "cp": 4, "seq": 40, "delta": False, "chunk": 64}],
+        {"op": "scan", "hp": 1, "cp": 4, "seq": 40, "delta": False, "chunk": 64},
+        {"op": "mamba2", "hp": 2, "cp": 2, "seq": 40}],
     8: [{"op": "conv", "hp": 1, "cp": 8, "seq": 32, "kernel": 4},     # runs of 2 inside a kernel of 4
         {"op": "scan", "hp": 1, "cp": 8, "seq": 48, "delta": True, "chunk": 2},
-        {"op": "scan", "hp": 1, "cp": 8, "seq": 48, "delta": False, "chunk": 4}],
+        {"op": "scan", "hp": 1, "cp": 8, "seq": 48, "delta": False, "chunk": 4},
+        {"op": "mamba2", "hp": 1, "cp": 8, "seq": 48}],
 }
 
 
+# mamba2_scan computes in float32 whatever its inputs' dtype (as transformers' mamba2_chunk_scan):
+# float32's round-off; gated_scan under it is exact in float64 (the "scan" cases)
+TOLERANCE = {"mamba2": 1e-5}
+
+
 def _name(case: dict) -> str:
-    what = f"k{case['kernel']}" if case["op"] == "conv" else ("delta" if case["delta"] else "gated")
-    return f"{case['op']}-{what}-hp{case['hp']}-cp{case['cp']}-S{case['seq']}"
+    what = {"conv": lambda: f"-k{case['kernel']}", "mamba2": lambda: "",
+            "scan": lambda: "-delta" if case["delta"] else "-gated"}[case["op"]]()
+    return f"{case['op']}{what}-hp{case['hp']}-cp{case['cp']}-S{case['seq']}"
 
 
 @pytest.fixture(scope="module")
@@ -178,9 +231,10 @@ def test_each_rank_computes_one_process_values_and_gradients(outcomes, name):
     case, per_rank = outcomes[name]
     out, grads = _assemble(case, per_rank)
     ref_out, ref_grads = _reference(case)
-    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name} output: {m}")
+    tol = TOLERANCE.get(case["op"], 1e-10)
+    torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol, msg=lambda m: f"{name} output: {m}")
     for n, ref in ref_grads.items():
-        torch.testing.assert_close(grads[n], ref, rtol=1e-10, atol=1e-10, msg=lambda m, n=n: f"{name} d{n}: {m}")
+        torch.testing.assert_close(grads[n], ref, rtol=tol, atol=tol, msg=lambda m, n=n: f"{name} d{n}: {m}")
     sent = {r["sent"] for r in per_rank}
     assert sent == {_expected_bytes(case)}, (name, sent, _expected_bytes(case))
     # backward sends as much again: the reduce-scatter of the summaries' gradient

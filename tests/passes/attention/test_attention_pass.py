@@ -435,3 +435,21 @@ def test_the_balanced_order_is_exact_only_where_every_call_reads_documents_causa
     assert not balanced_exact([])
     assert not balanced_exact([documents, {"is_causal": True, "documents_alone": False}])
     assert not balanced_exact([documents, {"is_causal": False, "documents_alone": True}])
+
+
+@pytest.mark.parametrize("config,expected", [
+    ({}, None),                                        # Falcon-H1's "hybrid": no window anywhere
+    ({"sliding_window": 64}, "UnknownLayerType"),      # a window it might apply: refused
+    ({"attention_chunk_size": 16}, "UnknownLayerType"),
+])
+def test_a_layer_type_it_does_not_know_is_full_only_where_nothing_keeps_a_window(config, expected):
+    from types import SimpleNamespace
+
+    from loong_compile.passes.attention import model_facts
+
+    attention = SimpleNamespace(layer_idx=0, config=SimpleNamespace(layer_types=["hybrid"], **config))
+    if expected is None:
+        assert model_facts.sliding_window(attention, None) is None
+    else:
+        with pytest.raises(model_facts.UnknownLayerType, match="hybrid"):
+            model_facts.sliding_window(attention, None)

@@ -1,0 +1,188 @@
+"""One call of a transformers function, as Dynamo traced it: found by its stack trace, run at
+compile time on real tensors against a candidate op, replaced by one call of it.  What the scans
+stage's passes that match a whole torch fallback share (``gated_delta.py``, ``mamba2.py``: each
+a ``FunctionRegionPass`` with its own ``rewrite``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from loong_compile._compat.aot import real_tensors
+from loong_compile.ops.scan_exchange import group_runs
+from loong_compile.passes.base import PassContext, ShardedPass
+from loong_compile.passes.fx_util import module_path
+from loong_compile.passes.safety.token_ops import example_value, only_returned
+from loong_compile.passes.scans import SCAN_SITES
+from loong_compile.passes.subgraphs import graph_scopes
+
+# what a call that replaces a node takes from it: its value (the op is not run at compile time:
+# it would exchange with the ranks) and where it came from
+SOURCE_META = ("example_value", "stack_trace", "nn_module_stack", "source_fn_stack")
+# the scans' regions compute in float32 (transformers casts), their ops too: what differs is the
+# order of the sums (chunks of other lengths), well inside this; another recurrence is off by O(1)
+PROOF_TOLERANCE = 1e-4
+
+
+class NotMatched(Exception):
+    """Why a region is left for the token analysis (a sentence)."""
+
+
+class FunctionRegionPass(ShardedPass):
+    """Each call of ``function`` in the graph and its inline higher-order-op bodies through
+    ``rewrite``: its report entry under ``changed``, or why it was left under ``kept``."""
+    function: str
+    stage = "dynamo"
+    provides = (SCAN_SITES,)
+
+    def rewrite(self, graph: torch.fx.Graph, region: list[torch.fx.Node], mesh: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
+        changed, kept = [], []
+        for scope in graph_scopes(gm):
+            regions = function_regions(scope.module.graph, self.function) if scope.inline else []
+            for region in regions:
+                try:
+                    changed.append(self.rewrite(scope.module.graph, region, ctx.mesh))
+                except NotMatched as why:
+                    kept.append({"module": module_path(region[0]), "reason": str(why)})
+            if regions:
+                scope.module.recompile()
+        return {"matched": len(changed) + len(kept), "changed": changed, "kept": kept}
+
+
+def runs_per_rank(tokens: int, mesh: Any) -> int:
+    """The most runs of consecutive tokens a rank scans (its CP shard after the head
+    all-to-all): what the state exchange's bytes count."""
+    return max(len(r) for r in group_runs(tokens * mesh.hp * mesh.cp, 1, mesh.cp,
+                                          [(c, 0) for c in range(mesh.cp)]))
+
+
+def function_regions(graph: torch.fx.Graph, function: str) -> list[list[torch.fx.Node]]:
+    """The nodes of each call of ``function``, in graph order: consecutive nodes of one module
+    whose stack trace passes through it."""
+    regions, current, path = [], [], None
+    for node in graph.nodes:
+        # (a placeholder's stack trace is where it was first read: an input, never a member)
+        inside = node.op.startswith("call_") and f"in {function}" in (node.meta.get("stack_trace") or "")
+        if inside and current and module_path(node) == path:
+            current.append(node)
+            continue
+        if current:
+            regions.append(current)
+        current, path = ([node], module_path(node)) if inside else ([], None)
+    return regions + ([current] if current else [])
+
+
+def region_inputs(region: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The values a region reads from outside it, in the order it first reads them."""
+    members = set(region)
+    return list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in members))
+
+
+def region_exits(region: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The region's nodes that something outside it reads."""
+    members = set(region)
+    return [n for n in region if any(u not in members for u in n.users)]
+
+
+def random_values(inputs: list[torch.fx.Node], roles: tuple[str, ...],
+                  shaped: dict[str, Callable[[torch.Tensor], torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A random value for each input, by role: of its shape, drawn in float64 and shaped by role
+    (``shaped``: a decay's sign, a rate's range), then in the input's dtype (the region's own
+    casts are constants of its graph: a bf16 model's region casts to bf16)."""
+    gen = torch.Generator().manual_seed(0)
+    values = {}
+    for role, node in zip(roles, inputs):
+        like = example_value(node)
+        x = torch.randn(like.shape, generator=gen, dtype=torch.float64)
+        values[role] = shaped.get(role, lambda v: v)(x).to(like.dtype)
+    return values
+
+
+def run_region(region: list[torch.fx.Node], inputs: dict[torch.fx.Node, Any],
+               exit_node: torch.fx.Node) -> Any:
+    """The value of ``exit_node`` when the region runs on ``inputs`` (real tensors, no grad)."""
+    with real_tensors(), torch.no_grad():
+        env = dict(inputs)
+        for node in region:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+            env[node] = (getattr(args[0], node.target)(*args[1:], **kwargs)
+                         if node.op == "call_method" else node.target(*args, **kwargs))
+        return env[exit_node]
+
+
+def best_reading(got: torch.Tensor, readings: dict[Any, Callable[[], torch.Tensor]],
+                 what: str) -> tuple[Any, float]:
+    """Which of the candidate computations (a reading of the region's constants each) gives the
+    region's value ``got``: ``(key, relative error)`` of the closest, or ``NotMatched`` (the
+    region is not ``what``) where none is within ``PROOF_TOLERANCE``."""
+    errors = {}
+    with real_tensors(), torch.no_grad():
+        for key, compute in readings.items():
+            want = compute()
+            errors[key] = (float((got.double() - want.double()).norm() / want.double().norm())
+                           if got.shape == want.shape else float("inf"))
+    key = min(errors, key=errors.get)
+    if errors[key] > PROOF_TOLERANCE:
+        raise NotMatched(f"run on random inputs it is not {what} (relative error {errors[key]:.1e})")
+    return key, errors[key]
+
+
+def replace_region(graph: torch.fx.Graph, region: list[torch.fx.Node], exit_node: torch.fx.Node,
+                   target: Any, args: tuple, kwargs: dict) -> torch.fx.Node:
+    """``target(*args, **kwargs)`` in the place of ``exit_node``, and the region erased."""
+    with graph.inserting_before(exit_node):
+        call = graph.call_function(target, args, kwargs)
+    call.meta.update({k: v for k, v in exit_node.meta.items() if k in SOURCE_META})
+    exit_node.replace_all_uses_with(call)
+    for node in reversed(region):
+        graph.erase_node(node)
+    return call
+
+
+CACHE_STATE = "zeros (the recurrent state a cache keeps is for generation, at hp=cp=1)"
+
+
+def output_and_cached_states(region: list[torch.fx.Node], output_shape: torch.Size
+                             ) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    """The region's one output (the value of ``output_shape``) and the final states it leaves
+    only into a cache, or ``NotMatched``."""
+    members, exits = set(region), region_exits(region)
+    outputs = [n for n in exits if example_value(n).shape == output_shape]
+    states = [n for n in exits if n not in outputs]
+    if len(outputs) != 1 or not all(_into_cache_only(n, members) for n in states):
+        raise NotMatched(f"{len(exits)} values leave it (expected its output, and the final "
+                         "state at most into a cache)")
+    return outputs[0], states
+
+
+def zero_cached_states(graph: torch.fx.Graph, region: list[torch.fx.Node],
+                       states: list[torch.fx.Node]) -> None:
+    """The cache gets zeros for each final state (``CACHE_STATE``)."""
+    members = set(region)
+    for state in states:
+        with graph.inserting_before(state):
+            like = example_value(state)
+            zeros = graph.call_function(torch.zeros, (tuple(like.shape),),
+                                        {"dtype": like.dtype, "device": like.device})
+        zeros.meta["example_value"] = like
+        for use in [u for u in state.users if u not in members]:
+            use.replace_input_with(state, zeros)
+
+
+def _into_cache_only(state: torch.fx.Node, members: set) -> bool:
+    """The final state leaves the region only to be copied into a cache's fresh buffer
+    (transformers' ``update_recurrent_state``: ``zeros_like(state).copy_(state)``), which only
+    the graph's outputs read."""
+    for use in (u for u in state.users if u not in members):
+        buffer = use if use.target is torch.zeros_like else (
+            use.args[0] if use.op == "call_method" and use.target == "copy_" else None)
+        if buffer is None or buffer.target is not torch.zeros_like or not all(
+                u.op == "output" or (u.op == "call_method" and u.target == "copy_" and u.args[0] is buffer)
+                or only_returned(u, u.graph) for u in buffer.users):
+            return False
+    return True
