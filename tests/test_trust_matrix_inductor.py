@@ -41,10 +41,11 @@ graph most:
 - every policy: Mistral with packed documents in ``shard_batch(balance_documents=True)``'s
   order and a window shorter than a rank's share (the tokens reordered, the window counted in
   the document), LFM2 (a short causal convolution across ranks: its halo exchanged, issue 37)
-  and Qwen3-Next (its convolution, and its gated DeltaNet recurrence with the state exchanged;
-  judged within twice one process's own error, its kernel computing in float32), both also at
-  cp = 4; Qwen3.5 (the same ops, positions on four rotary axes) and Falcon-H1 (Mamba-2's scan
-  beside attention) under none, and at cp = 4.
+  Qwen3-Next (its convolution, and its gated DeltaNet recurrence with the state exchanged;
+  judged within twice one process's own error, its kernel computing in float32) and Falcon-H1
+  (Mamba-2's convolution and scan beside attention in every layer, judged likewise), all also at
+  cp = 4; Qwen3.5 (the same ops as Qwen3-Next, positions on four rotary axes) under none, and at
+  cp = 4.
 
 A window, padding or packed documents make 2D-Attention's masked op, which the activation
 passes did not take for attention: sc++ and memo found no layer there and did nothing, with
@@ -86,15 +87,15 @@ POLICY_CASES = {
 # documents in shard_batch's balanced order (issue 24) with a window shorter than a rank's share:
 # the mask compares positions in the document, under every policy
 BALANCED = Case("mistral", window=WINDOW_SHARD, habit="packed_balanced_use_cache_false")
-# the scans across ranks under every policy: a short convolution (LFM2: ops/causal_conv.py), and
-# Qwen3-Next's convolution and gated DeltaNet recurrence (ops/gated_scan.py)
-SCANS = [Case("lfm2"), Case("qwen3_next")]
+# the scans across ranks under every policy: a short convolution (LFM2: ops/causal_conv.py),
+# Qwen3-Next's convolution and gated DeltaNet recurrence (ops/gated_scan.py), and Falcon-H1's
+# Mamba-2 scan beside attention in every layer (ops/gated_scan.py::mamba2_scan)
+SCANS = [Case("lfm2"), Case("qwen3_next"), Case("falcon_h1")]
 for cases in POLICY_CASES.values():
     cases += [BALANCED, *SCANS]
 # Qwen3.5: the same two ops as Qwen3-Next's (whose cells cover every policy), in a model that
-# expands its positions to four rotary axes; Falcon-H1: Mamba-2's scan (ops.gated_scan.mamba2_scan,
-# gated_scan without the delta rule) beside attention in every layer
-ONE_POLICY_SCANS = [Case("qwen3_5"), Case("falcon_h1")]
+# expands its positions to four rotary axes
+ONE_POLICY_SCANS = [Case("qwen3_5")]
 POLICY_CASES["none"] += ONE_POLICY_SCANS
 # what the policy must have done in each case's graphs (run_case's work_done)
 WORK = {
