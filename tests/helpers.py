@@ -301,6 +301,20 @@ def sequential_recurrence(q, k, v, g, beta=None) -> torch.Tensor:
     return torch.stack(out, 2)
 
 
+def gated_delta_recurrence(query, key, value, g, beta, use_qk_l2norm_in_kernel=False, **kwargs):
+    """transformers' ``torch_chunk_gated_delta_rule`` (its arguments; the state of a cache
+    zeros) token by token in the inputs' dtype: ``sequential_recurrence`` with the delta rule."""
+    heads = value.size(2)
+    if key.size(2) != heads:
+        query, key = (x.repeat_interleave(heads // key.size(2), dim=2) for x in (query, key))
+    query, key, value, g, beta = (x.transpose(1, 2) for x in (query, key, value, g, beta))
+    if use_qk_l2norm_in_kernel:
+        query, key = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (query, key))
+    out = sequential_recurrence(query * query.size(-1) ** -0.5, key, value, g, beta)
+    state = query.new_zeros(*query.shape[:2], query.size(-1), value.size(-1))  # a cache's only
+    return out.transpose(1, 2), state if kwargs.get("output_final_state") else None
+
+
 def mamba2_recurrence(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bias=None,
                       initial_states=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
                       return_final_states=False, **kwargs):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import loong_error_in, mamba2_recurrence, sequential_recurrence  # noqa: E402
+from helpers import gated_delta_recurrence, loong_error_in, mamba2_recurrence  # noqa: E402
 from hf_models import (  # noqa: E402
     ARCHITECTURES, ATTENTION_VARIANTS, MOE, SCAN_ARCHITECTURES, WINDOWED, build)
 
@@ -276,25 +276,12 @@ def reference(case: Case, dtype: torch.dtype | None = None,
                          if p.grad is not None}
 
 
-def _exact_gated_delta_rule(query, key, value, g, beta, use_qk_l2norm_in_kernel=False, **kwargs):
-    """transformers' ``torch_chunk_gated_delta_rule`` token by token in the inputs' dtype."""
-    heads = value.size(2)
-    if key.size(2) != heads:
-        query, key = (x.repeat_interleave(heads // key.size(2), dim=2) for x in (query, key))
-    query, key, value, g, beta = (x.transpose(1, 2) for x in (query, key, value, g, beta))
-    if use_qk_l2norm_in_kernel:
-        query, key = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (query, key))
-    out = sequential_recurrence(query * query.size(-1) ** -0.5, key, value, g, beta)
-    state = query.new_zeros(*query.shape[:2], query.size(-1), value.size(-1))  # a cache's only
-    return out.transpose(1, 2), state if kwargs.get("output_final_state") else None
-
-
 # the models whose scan kernel computes in float32 whatever the model's dtype (transformers' gated
 # delta rule and Mamba-2 scan cast): judged within twice one process's own float32 error, against
 # one process with the recurrence computed token by token in the model's dtype in its place
 # (_float64_kernel).  Each: its transformers module's function, and the exact recurrence.
-EXACT_KERNELS = {"qwen3_next": ("torch_chunk_gated_delta_rule", _exact_gated_delta_rule),
-                 "qwen3_5": ("torch_chunk_gated_delta_rule", _exact_gated_delta_rule),
+EXACT_KERNELS = {"qwen3_next": ("torch_chunk_gated_delta_rule", gated_delta_recurrence),
+                 "qwen3_5": ("torch_chunk_gated_delta_rule", gated_delta_recurrence),
                  "falcon_h1": ("mamba2_chunk_scan", mamba2_recurrence)}
 
 

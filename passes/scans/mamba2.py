@@ -38,6 +38,8 @@ from loong_compile.passes.scans.regions import (CACHE_STATE, FunctionRegionPass,
 
 FUNCTION = "mamba2_chunk_scan"
 ROLES = ("dt_bias", "dt", "x", "B", "C", "D", "A")
+# the same values in mamba2_scan's order
+OP_ARGS = ("x", "dt", "A", "B", "C", "D", "dt_bias")
 
 
 class Mamba2Pass(FunctionRegionPass):
@@ -58,7 +60,7 @@ class Mamba2Pass(FunctionRegionPass):
         softplus, error = _prove(region, inputs, exit_node, dt_min, dt_max)
         zero_cached_states(graph, region, states)
         call = replace_region(graph, region, exit_node, mamba2_scan,
-                              tuple(role[r] for r in ("x", "dt", "A", "B", "C", "D", "dt_bias")),
+                              tuple(role[r] for r in OP_ARGS),
                               # the groups as keywords ending in _group: the ranks' graph comparison
                               # leaves their names out (they differ by rank)
                               {"dt_softplus": softplus, "dt_min": dt_min, "dt_max": dt_max,
@@ -95,7 +97,7 @@ def _prove(region: list[torch.fx.Node], inputs: list[torch.fx.Node], exit_node: 
     # a decay rate A < 0, a step dt > 0 either way (raw through softplus, or already one)
     values = random_values(inputs, ROLES, {"A": lambda x: -x.abs() - 0.1, "dt": lambda x: x.abs() * 0.5})
     got = run_region(region, {node: values[role] for role, node in zip(ROLES, inputs)}, exit_node)
-    args = [values[r] for r in ("x", "dt", "A", "B", "C", "D", "dt_bias")]
+    args = [values[r] for r in OP_ARGS]
     return best_reading(got, {
         softplus: lambda softplus=softplus: mamba2_scan(*args, softplus, dt_min, dt_max, 1, 1, "", "")
         for softplus in (True, False)}, "Mamba-2's scan")
