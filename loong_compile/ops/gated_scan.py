@@ -168,15 +168,16 @@ def _chunk_terms(q, k, v, g, beta, delta: bool):
     pairwise = (cumulative.unsqueeze(-1) - cumulative.unsqueeze(-2)).masked_fill(
         ~causal, float("-inf")).exp().to(dtype)
     intra = (q @ k.transpose(-1, -2)) * pairwise
+    from_start = cumulative.exp().to(dtype).unsqueeze(-1)     # each token's decay since the chunk start
     values, k_cum = v, None
     if delta:
         k_beta = k * beta.unsqueeze(-1)
         system = (k_beta @ k.transpose(-1, -2)) * pairwise
         values = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False,
                                                unitriangular=True)
-        k_cum = torch.linalg.solve_triangular(system, k_beta * cumulative.exp().to(dtype).unsqueeze(-1),
-                                              upper=False, unitriangular=True)
-    read = q * cumulative.exp().to(dtype).unsqueeze(-1)
+        k_cum = torch.linalg.solve_triangular(system, k_beta * from_start, upper=False,
+                                              unitriangular=True)
+    read = q * from_start
     k_decayed = k * (cumulative[..., -1:] - cumulative).exp().to(dtype).unsqueeze(-1)
     return read, intra, values, k_cum, k_decayed, cumulative[..., -1].exp().to(dtype)[..., None, None]
 
