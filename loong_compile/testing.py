@@ -28,8 +28,10 @@ from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as mp
 
-# ranks kept alive at once over all kept pools (each holds torch, transformers, Inductor)
-MAX_KEPT_RANKS = 12
+# ranks kept alive at once over all kept pools (each ~0.5 GB: torch, transformers, Inductor):
+# a pool for each world size the suite runs (1 + 2 + 4 + 8), so that modules that alternate
+# 4 and 8 ranks restart none (a 4-rank pool's start costs ~20 s of CI's two cores)
+MAX_KEPT_RANKS = 16
 # after one rank raised, how long the others get to report before the call stops
 FAILURE_GRACE_S = 10.0
 
@@ -132,6 +134,7 @@ class _Ranks:
         with _env(**({} if threads is None else {"TORCHINDUCTOR_COMPILE_THREADS": threads})):
             for p in self.procs:
                 p.start()
+        _log_pool("start", world)
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -164,6 +167,7 @@ class _Ranks:
         return collected
 
     def close(self) -> None:
+        _log_pool("end", self.world)
         for calls, p in zip(self.calls, self.procs):
             if p.is_alive():
                 calls.put(None)
@@ -172,6 +176,14 @@ class _Ranks:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _log_pool(event: str, world: int) -> None:
+    """With ``RUN_DISTRIBUTED_LOG=<file>``, a line per pool started or ended and the test it was
+    in: what the suite pays for process starts (docs/benchmarks.md, "Test suite time")."""
+    if path := os.environ.get("RUN_DISTRIBUTED_LOG"):
+        with open(path, "a") as log:
+            log.write(f"{time.time():.1f} {event} {world} {os.environ.get('PYTEST_CURRENT_TEST', '-')}\n")
 
 
 @contextlib.contextmanager
@@ -191,6 +203,9 @@ def _env(**values: str) -> Iterator[None]:
 # (world, backend, sys.path) -> ranks kept by keep_ranks(), least recently used first; a call
 # whose sys.path differs (a test's stand-in modules) gets ranks of its own, as a spawn would
 _kept: OrderedDict[tuple, _Ranks] | None = None
+# sys.path when keep_ranks() was entered: pools for another path are a few tests' guests,
+# the first ended when room is needed
+_home_path: tuple | None = None
 
 
 @contextlib.contextmanager
@@ -198,14 +213,15 @@ def keep_ranks(keep: bool = True) -> Iterator[None]:
     """Within this block ``run_distributed`` reuses its ranks between calls (see the module's
     docstring), or with ``keep=False`` spawns and ends them per call; ranks kept here are ended
     when the block exits, and the enclosing block's rule (and ranks) hold again."""
-    global _kept
+    global _kept, _home_path
     outer, _kept = _kept, OrderedDict() if keep else None
+    outer_path, _home_path = _home_path, tuple(sys.path)
     try:
         yield
     finally:
         for ranks in (_kept or {}).values():
             ranks.close()
-        _kept = outer
+        _kept, _home_path = outer, outer_path
 
 
 def _ranks_for(world: int, backend: str) -> tuple[_Ranks, tuple | None]:
@@ -216,7 +232,8 @@ def _ranks_for(world: int, backend: str) -> tuple[_Ranks, tuple | None]:
     ranks = _kept.pop(key, None)
     if ranks is None or not ranks.alive():
         while _kept and sum(r.world for r in _kept.values()) + world > MAX_KEPT_RANKS:
-            _kept.popitem(last=False)[1].close()
+            guests = [k for k in _kept if k[2] != _home_path]
+            _kept.pop(guests[0] if guests else next(iter(_kept))).close()
         ranks = _Ranks(world, backend, kept=True)
     _kept[key] = ranks
     return ranks, key

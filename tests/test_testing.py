@@ -89,3 +89,22 @@ def test_a_hang_fails_within_its_timeout_and_the_next_call_runs():
         assert time.monotonic() - start < 45
         # the hung rank and the other were ended: new ranks run the next call
         assert run_distributed(_hang_on, 2, 5, timeout=120) == [0, 1]
+
+
+def _pid(rank, world):
+    return os.getpid()
+
+
+def test_a_guest_pool_is_ended_before_the_suites_own(monkeypatch, tmp_path):
+    """With room for three ranks: two kept for the suite's own sys.path, then one for a test's
+    stand-ins (another sys.path); a third pool needs room, and the guest's rank is the one ended."""
+    from loong_compile import testing
+
+    monkeypatch.setattr(testing, "MAX_KEPT_RANKS", 3)
+    with keep_ranks():
+        home = run_distributed(_pid, 2, timeout=120)
+        with monkeypatch.context() as guest:
+            guest.syspath_prepend(str(tmp_path))
+            run_distributed(_pid, 1, timeout=120)
+        run_distributed(_pid, 1, timeout=120)   # the suite's own one-rank pool
+        assert run_distributed(_pid, 2, timeout=120) == home
