@@ -200,12 +200,12 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-# (world, backend, sys.path) -> ranks kept by keep_ranks(), least recently used first; a call
-# whose sys.path differs (a test's stand-in modules) gets ranks of its own, as a spawn would
+# (world, backend, what the caller's sys.path puts before the session's) -> ranks kept by
+# keep_ranks(), least recently used first: a call whose sys.path has entries in front (a
+# test's stand-in modules) gets ranks of its own, as a spawn would
 _kept: OrderedDict[tuple, _Ranks] | None = None
-# sys.path when keep_ranks() was entered: pools for another path are a few tests' guests,
-# the first ended when room is needed
-_home_path: tuple | None = None
+# sys.path when keep_ranks() was entered
+_home_path: tuple = ()
 
 
 @contextlib.contextmanager
@@ -224,15 +224,23 @@ def keep_ranks(keep: bool = True) -> Iterator[None]:
         _kept, _home_path = outer, outer_path
 
 
+def _prepended() -> tuple[str, ...]:
+    """The entries of sys.path in front of the session's: they would shadow what the ranks
+    import.  Entries added behind it change nothing the ranks import (setuptools appends its
+    vendored packages the first time a test imports it, and that must not restart every pool)."""
+    first = _home_path[0] if _home_path else None
+    return tuple(sys.path[:sys.path.index(first)]) if first in sys.path else tuple(sys.path)
+
+
 def _ranks_for(world: int, backend: str) -> tuple[_Ranks, tuple | None]:
     """(ranks for this call, their key in ``_kept``, or None when they end with the call)."""
     if _kept is None:
         return _Ranks(world, backend, kept=False), None
-    key = (world, backend, tuple(sys.path))
+    key = (world, backend, _prepended())
     ranks = _kept.pop(key, None)
     if ranks is None or not ranks.alive():
         while _kept and sum(r.world for r in _kept.values()) + world > MAX_KEPT_RANKS:
-            guests = [k for k in _kept if k[2] != _home_path]
+            guests = [k for k in _kept if k[2]]   # a few tests' stand-ins: ended first
             _kept.pop(guests[0] if guests else next(iter(_kept))).close()
         ranks = _Ranks(world, backend, kept=True)
     _kept[key] = ranks

@@ -4,6 +4,7 @@ in one call reported by rank and kept from the next."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -97,7 +98,9 @@ def _pid(rank, world):
 
 def test_a_guest_pool_is_ended_before_the_suites_own(monkeypatch, tmp_path):
     """With room for three ranks: two kept for the suite's own sys.path, then one for a test's
-    stand-ins (another sys.path); a third pool needs room, and the guest's rank is the one ended."""
+    stand-ins (in front of sys.path); a third pool needs room, and the guest's rank is the one
+    ended.  An entry added behind sys.path (setuptools adds its vendored packages when first
+    imported) keeps the suite's pools."""
     from loong_compile import testing
 
     monkeypatch.setattr(testing, "MAX_KEPT_RANKS", 3)
@@ -106,5 +109,6 @@ def test_a_guest_pool_is_ended_before_the_suites_own(monkeypatch, tmp_path):
         with monkeypatch.context() as guest:
             guest.syspath_prepend(str(tmp_path))
             run_distributed(_pid, 1, timeout=120)
+        monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path / "behind")])
         run_distributed(_pid, 1, timeout=120)   # the suite's own one-rank pool
         assert run_distributed(_pid, 2, timeout=120) == home
