@@ -62,11 +62,13 @@ def reset_process_state() -> None:
     import torch
 
     from loong_compile import backend
+    from loong_compile._compat.dynamo import drop_installed_globals
     from loong_compile.checks import ranks
     from loong_compile.ops import comm, kernels, step_mask
     from loong_compile.parallel import mesh
 
     torch.compiler.reset()
+    drop_installed_globals()
     mesh._CACHE.clear()
     mesh._USER_MESHES.clear()
     ranks._rounds.clear()

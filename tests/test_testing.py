@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+import torch.fx
 import torch.distributed as dist
 
 from loong_compile.testing import DistributedFailure, keep_ranks, run_distributed
@@ -112,3 +113,25 @@ def test_a_guest_pool_is_ended_before_the_suites_own(monkeypatch, tmp_path):
         monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path / "behind")])
         run_distributed(_pid, 1, timeout=120)   # the suite's own one-rank pool
         assert run_distributed(_pid, 2, timeout=120) == home
+
+
+def _one_trust_cell(rank, world):
+    from trust_matrix import Case, run_case
+
+    return run_case(rank, world, 1, 2, Case("llama"))[0]
+
+
+def _graph_modules_alive(rank, world):
+    import gc
+
+    gc.collect()
+    return sum(isinstance(o, torch.fx.GraphModule) for o in gc.get_objects())
+
+
+def test_kept_ranks_keep_no_graph_of_an_earlier_call():
+    """Dynamo keeps each compiled graph as a global of the compiled frame's module, past
+    torch.compiler.reset(); the reset between calls removes it (kept ranks slowed 2.5x in an
+    hour of the suite as the garbage collector walked every graph they had compiled)."""
+    with keep_ranks():
+        assert run_distributed(_one_trust_cell, 2, timeout=300) == ["ok", "ok"]
+        assert run_distributed(_graph_modules_alive, 2, timeout=120) == [0, 0]

@@ -1,6 +1,7 @@
 """Dynamo shims: the backend registry, the module being compiled, where each graph input came
 from and whether it is a module's state (backend, passes/attention/model_facts.py and
-input_roles.py, checks/inputs.py)."""
+input_roles.py, checks/inputs.py), and the compiled graphs' globals a reset leaves behind
+(loong_compile/testing.py, between calls on kept ranks)."""
 
 from __future__ import annotations
 
@@ -109,3 +110,22 @@ def recompile_limit_raises():
     without 2D-Attention, silently wrong.  ``torch._dynamo.config.fail_on_recompile_limit_hit``
     (False by default) is patched for the context only.  Checked against torch 2.11-2.15."""
     return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+
+
+def drop_installed_globals() -> None:
+    """Remove the globals Dynamo installed in compiled frames' modules (each compiled graph as
+    ``__compiled_fn_*``, resume functions), as it would when their transformed code dies.
+
+    The code never dies in a process that goes on: the global reaches it back through the
+    compiled graph, so after ``torch.compiler.reset()`` every graph a process compiled stays in
+    the module it was compiled in (measured in the suite's kept ranks: ~14,500 objects a
+    trust-matrix cell, and cells 2.5x slower after an hour as the garbage collector walks them).
+    Only for a process whose caches were just reset: no compiled code may run after it.
+    Checked against torch 2.11-2.15: ``torch._dynamo.utils.CleanupManager`` and ``CleanupHook``."""
+    from torch._dynamo.utils import CleanupManager
+
+    manager = CleanupManager.instance
+    for hooks in list(manager.values.values()):
+        for hook in hooks:
+            hook.scope.pop(hook.name, None)
+    manager.clear()   # drops the weak references too: no hook runs again when a code dies
