@@ -37,11 +37,12 @@ def pool_starts(path: str) -> tuple[collections.Counter, collections.Counter]:
     """(starts by world size, starts by test module) from a ``RUN_DISTRIBUTED_LOG`` file."""
     by_world: collections.Counter = collections.Counter()
     by_module: collections.Counter = collections.Counter()
-    for line in open(path):
-        _, event, world, test = line.split(" ", 3)
-        if event == "start":
-            by_world[int(world)] += 1
-            by_module[test.split("::")[0]] += 1
+    with open(path) as log:
+        for line in log:
+            _, event, world, test = line.split(" ", 3)
+            if event == "start":
+                by_world[int(world)] += 1
+                by_module[test.split("::")[0]] += 1
     return by_world, by_module
 
 
