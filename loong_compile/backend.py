@@ -33,10 +33,11 @@ import torch.distributed as dist
 import torch.fx
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
-from loong_compile import _compat
+from loong_compile import _compat, shared_lowering
 from loong_compile._compat.aot import aot_autograd
 from loong_compile._compat.inductor import (
-    LoongPartitioner, LoongPostGrad, comm_overlap_patches, compile_fx, on_next_output_code, scheduler_patches,
+    LoongPartitioner, LoongPostGrad, comm_overlap_patches, compile_fx, inductor_config_value, on_next_output_code,
+    scheduler_patches,
 )
 from loong_compile._compat.pool_planner import pool_planning_patches
 from loong_compile.checks import inputs as input_checks
@@ -125,6 +126,9 @@ class _GraphCompile:
         self.on_report = backend.on_report
         self.state: dict[str, Any] = {}
         self._scheduling_kind = "forward"   # the graph Inductor is lowering (set by _post_grad)
+        self._post_grad_runs = 0             # lowerings that ran the post_grad stage here
+        self._sharing: shared_lowering.SharedLowering | None = None   # set when the ranks agreed
+        self._token = ""                     # in Inductor's cache key when ranks share lowerings
         self.report.skipped.extend(dict(s) for s in backend.skipped)
         self.report.skipped += [{"name": c.name, "stage": "torch", "reason": c.without}
                                 for c in _compat.degraded()]
@@ -185,7 +189,23 @@ class _GraphCompile:
             return aot_autograd(
                 fw_compiler=self._aot_eager_compiler, bw_compiler=self._aot_eager_compiler,
                 partition_fn=self.partition)(self.gm, example_inputs)
-        return compile_fx(self.gm, example_inputs, config_patches=self._inductor_patches())
+        return compile_fx(self.gm, example_inputs, config_patches=self._inductor_patches(),
+                          around_lowering=self._around_lowering)
+
+    def _around_lowering(self, kind: str, graph: torch.fx.GraphModule, inputs: Sequence[Any],
+                         lower: Callable[[], Any]) -> Any:
+        """One graph through Inductor: on its own, or once for the ranks whose graph is equal."""
+        if self._sharing is None:
+            return lower()
+
+        def lower_and_tell() -> tuple[Any, bool]:
+            before = self._post_grad_runs
+            return lower(), self._post_grad_runs > before
+
+        compiled = self._sharing.lower(kind, shared_lowering.graph_key(graph, inputs, kind),
+                                       lower_and_tell, self.report.passes)
+        self._publish()
+        return compiled
 
     def _check_ranks_agree(self) -> None:
         """Before the graph's first collective runs, all ranks confirm they compiled the same."""
@@ -196,10 +216,25 @@ class _GraphCompile:
         rank_check.check_agreement(
             "compile", rank_check.compile_fingerprint(self.config.to_dict(), self.gm, collectives),
             self.config.rank_check_timeout, ranks=self.mesh.sp_ranks)
+        if self._shares_lowerings():
+            index, ranks = rank_check.current_compile(), self.mesh.sp_ranks
+            self._token = shared_lowering.compile_token(index, ranks, self.mesh.rank,
+                                                        self.config.rank_check_timeout)
+            self._sharing = shared_lowering.SharedLowering(index, ranks, self.mesh.rank,
+                                                           self.config.rank_check_timeout)
         self.report.passes.append(PassRecord("rank_check", "dynamo", "dynamo", 0.0, {
             "matched": len(collectives), "changed": 0,
             "result": "all ranks compiled the same graph with the same options"}))
         self._publish()
+
+    def _shares_lowerings(self) -> bool:
+        """Ranks lower once for all whose graph is equal (``shared_lowering.py``) when Inductor
+        lowers, its FX graph cache is on (the user's Inductor config, ``inductor_options``) and
+        can keep every hook of ours (torch >= 2.12), and no dump asks for each rank's stages."""
+        cache_on = self.config.inductor_options.get("fx_graph_cache",
+                                                    inductor_config_value("fx_graph_cache"))
+        return (self.config.lowering == "inductor" and not self.config.dump_dir and bool(cache_on)
+                and _compat.has("scheduler_pass_base"))
 
     @staticmethod
     def _aot_eager_compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -227,15 +262,16 @@ class _GraphCompile:
             **comm_overlap_patches(),      # every collective's wait as late as its first use
         }
         if self.active["schedule"]:
-            # Inductor's scheduler nodes through the schedule stage (a pre-fusion pass that is
-            # no CustomSchedulerPass: Inductor bypasses its FX graph cache for these graphs)
-            patches.update(scheduler_patches(self._schedule))
+            # Inductor's scheduler nodes through the schedule stage, before fusion
+            patches.update(scheduler_patches(self._schedule, key))
         if self.active["inductor"]:
             patches.update(pool_planning_patches(self._plan_memory, key))
-        if self.config.dump_dir or self.active["post_grad"] or self.active["inductor"]:
+        if (self._sharing is None and self.config.inductor_options.get("fx_graph_cache", True)
+                and (self.config.dump_dir or self.active["post_grad"] or self.active["inductor"])):
             # A cache hit skips the passes that run inside Inductor: the dump would miss stages
             # the user asked to see, and their reports (the memory plan's pools, bound and
-            # peaks, the overlap read from the generated code) would be missing.
+            # peaks, the overlap read from the generated code) would be missing.  Ranks that
+            # share a lowering hit only this compile's entries, and take the leader's records.
             patches["fx_graph_cache"] = False
         taken = sorted(set(self.config.inductor_options) & set(patches))
         if taken:
@@ -252,6 +288,7 @@ class _GraphCompile:
     def _post_grad(self, graph: torch.fx.Graph, is_inference: bool) -> None:
         is_backward = any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder"))
         kind = "inference" if is_inference else ("backward" if is_backward else "forward")
+        self._post_grad_runs += 1
         self.run_stage("post_grad", graph, kind)
         self._scheduling_kind = kind
         on_next_output_code(functools.partial(self._record_overlap, kind))
@@ -279,6 +316,7 @@ class _GraphCompile:
         h = hashlib.sha256(json.dumps(self.config.to_dict(), sort_keys=True, default=str).encode())
         h.update(",".join(p.name for s in STAGES for p in self.active[s]).encode())
         h.update(library_source_digest().encode())
+        h.update(self._token.encode())   # ranks sharing lowerings: this compile's entries only
         return h.hexdigest()
 
 

@@ -261,11 +261,12 @@ def test_global_inductor_config_is_left_unchanged():
     keys = ["custom_partitioner_fn", "post_grad_custom_post_pass", "joint_custom_pre_pass",
             "fx_graph_cache", "memory_planning"]
     before = {k: getattr(iconfig, k) for k in keys}
-    f_before = fconfig.force_non_lazy_backward_lowering
+    f_keys = ["force_non_lazy_backward_lowering", "enable_autograd_cache"]
+    f_before = {k: getattr(fconfig, k) for k in f_keys}
     _run("inductor", dump_dir=None)
     lc.explain(Tiny(), torch.randn(3, 8), lowering="aot_eager")
     assert {k: getattr(iconfig, k) for k in keys} == before
-    assert fconfig.force_non_lazy_backward_lowering == f_before
+    assert {k: getattr(fconfig, k) for k in f_keys} == f_before
 
 
 @pytest.mark.parametrize("simdlen,vectorized", [(None, True), (1, False)])

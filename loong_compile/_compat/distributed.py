@@ -23,6 +23,26 @@ def resolve_process_group(group_name: str):
     return _resolve_process_group(group_name)
 
 
+def register_group_alias(alias: str, group_name: str) -> str:
+    """Register the process group named ``group_name`` under ``alias`` too, in this process;
+    return ``alias``.  torch names groups by creation count, so rank 0's HP group and rank 2's
+    have different names; an alias that is the same on every rank makes the ranks' graphs
+    equal, and Inductor's FX graph cache then serves one rank's compile to the others.  An
+    alias left from a destroyed world is replaced (``destroy_process_group`` of the default
+    group unregisters every name).  Checked against torch 2.11-2.15."""
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+
+    group = resolve_process_group(group_name)
+    try:
+        if resolve_process_group(alias) is group:
+            return alias
+        _unregister_process_group(alias)
+    except (RuntimeError, ValueError):
+        pass                                # not registered yet
+    _register_process_group(alias, group)
+    return alias
+
+
 def all_to_all_start(x, group_name: str, group_size: int):
     """``_c10d_functional.all_to_all_single`` of equal splits along dim 0: the exchange in
     flight, to be finished by ``collective_wait``.  In a compiled graph Inductor sees the

@@ -12,11 +12,58 @@ from loong_compile._compat import has, warn_degraded
 from loong_compile._compat.aot import aot_graph_kind
 
 
-def compile_fx(gm, example_inputs, config_patches):
-    """Inductor's entry point, with config patches scoped to this compile."""
-    from torch._inductor.compile_fx import compile_fx as _compile_fx
+def compile_fx(gm, example_inputs, config_patches, around_lowering=None):
+    """Inductor's entry point, with config patches scoped to this compile.
 
-    return _compile_fx(gm, example_inputs, config_patches=config_patches)
+    ``around_lowering(graph_kind, graph, inputs, lower)``, if given, is called for each graph
+    Inductor lowers ("forward", "backward" or "inference": the graph after partitioning, before
+    the post-grad passes) and must return ``lower()``'s result (a compiled graph, see
+    ``fx_graph_cache_key``).  AOTAutograd's own cache stays off for this compile:
+    a hit there would skip the joint and split stages, whose passes must run on every rank.
+    Checked against torch 2.11-2.15."""
+    import torch._functorch.config as functorch_config
+    from torch._inductor.compile_fx import compile_fx as _compile_fx
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    def inner_compile(graph, inputs, **kwargs):
+        kind = ("backward" if kwargs.get("is_backward")
+                else "inference" if kwargs.get("is_inference") else "forward")
+        return around_lowering(kind, graph, inputs, lambda: compile_fx_inner(graph, inputs, **kwargs))
+
+    with functorch_config.patch(enable_autograd_cache=False):
+        if around_lowering is None:
+            return _compile_fx(gm, example_inputs, config_patches=config_patches)
+        return _compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                           config_patches=config_patches)
+
+
+def inductor_config_value(name: str):
+    """Inductor's global config value ``name`` (as ``torch._inductor.list_options()`` names it)."""
+    import torch._inductor.config as inductor_config
+
+    return getattr(inductor_config, name)
+
+
+def fx_graph_cache_key(compiled) -> str | None:
+    """The key Inductor's FX graph cache stored (or found) a lowered graph under; None when the
+    lowering bypassed the cache.  Checked against torch 2.11-2.15."""
+    return getattr(compiled, "_fx_graph_cache_key", None)
+
+
+def fx_graph_cache_entry(key: str | None = None) -> str:
+    """The directory Inductor's FX graph cache keeps ``key``'s entry in on this machine (without
+    ``key``: the cache's own directory).  Checked against torch 2.11-2.15."""
+    from torch._inductor.codecache import FxGraphCache
+
+    return FxGraphCache._get_tmp_dir() if key is None else FxGraphCache._get_tmp_dir_for_key(key)
+
+
+def drop_fx_graph_cache_entry(key: str) -> None:
+    """Remove what Inductor's FX graph cache keeps under ``key`` (the compiled kernels it points
+    to stay in the kernel cache)."""
+    import shutil
+
+    shutil.rmtree(fx_graph_cache_entry(key), ignore_errors=True)
 
 
 @functools.cache
@@ -92,7 +139,7 @@ def comm_overlap_patches() -> dict:
 SCHEDULE_ITEM_KINDS = ("start", "wait", "nop", "kernel")
 
 
-def scheduler_patches(order_nodes) -> dict:
+def scheduler_patches(order_nodes, cache_key: str) -> dict:
     """Inductor options, scoped to one compile, that hand its scheduler nodes, before fusion,
     to ``order_nodes(items) -> (order, holds)`` and apply the answer.
 
@@ -103,7 +150,16 @@ def scheduler_patches(order_nodes) -> dict:
     Inductor's chaining of collectives).  The answer: the new order (positions) and pairs
     ``(node, other)``: ``node`` must run after ``other``, an ordering-only dependency (a
     ``WeakDep``) that fusion respects.  Checked against torch 2.11-2.15."""
-    return {"_pre_fusion_custom_pass": functools.partial(_order_scheduler_nodes, order_nodes)}
+    return {"_pre_fusion_custom_pass": OrderSchedulerNodes(
+        functools.partial(_order_scheduler_nodes, order_nodes), cache_key)}
+
+
+class OrderSchedulerNodes(KeyedHook, scheduler_pass_base()):
+    """Inductor's ``_pre_fusion_custom_pass``, keyed so that its FX graph cache keeps the graphs
+    it ordered (on torch < 2.12, without the base class, Inductor bypasses its cache for them)."""
+
+    def __call__(self, snodes):
+        return self.fn(snodes)
 
 
 def _order_scheduler_nodes(order_nodes, snodes: list) -> list:

@@ -84,6 +84,11 @@ def compiling():
         _current_compile = None
 
 
+def current_compile() -> int | None:
+    """The compile this rank is in (the same count on the ranks of a sequence), or None."""
+    return _current_compile
+
+
 def _refusal_key(index: int, rank: int) -> str:
     return f"loong_compile/refused/{index}/{rank}"
 

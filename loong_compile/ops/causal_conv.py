@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from loong_compile.ops.scan_exchange import gather_summaries, group_runs, my_place
+from loong_compile.ops.scan_exchange import (gather_summaries, group_runs, my_place, pick, place_tensor,
+                                              same_run_lengths)
 
 
 def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, hp: int, cp: int,
@@ -33,7 +34,10 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, hp: int, cp: i
     if halo == 0 or size == 1:
         return F.conv1d(F.pad(x, (halo, 0)), kernel, bias, groups=x.size(1))
     runs = group_runs(x.size(-1) * size, hp, cp, places)
-    mine = runs[my_place(group_rank, scan_group, size)]
+    # where the runs are alike, the halo rows of every rank's runs, this rank's picked at run time
+    uniform = same_run_lengths(runs)
+    me = None if uniform else my_place(group_rank, scan_group, size)
+    mine = runs[0 if uniform else me]
     per_rank = max(len(r) for r in runs)
     pieces, tails, offset = [], [], 0
     for _, length in mine:
@@ -46,10 +50,15 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, hp: int, cp: i
     # one row per gathered input token, and a row of zeros for the positions before the sequence
     rows = gathered.permute(0, 1, 4, 2, 3).flatten(0, 2)
     rows = torch.cat([rows, rows.new_zeros(1, *rows.shape[1:])])
-    out = []
-    for (start, _), piece in zip(mine, pieces):
-        index = torch.tensor(_halo_rows(runs, per_rank, halo, start, zero_row=rows.size(0) - 1),
-                             device=x.device)
+    out, zero_row = [], rows.size(0) - 1
+    place = place_tensor(group_rank, scan_group, size, x.device) if uniform else None
+    for j, piece in enumerate(pieces):
+        if uniform:
+            every = [_halo_rows(runs, per_rank, halo, r[j][0], zero_row) for r in runs]
+            index = pick(torch.tensor(every, device=x.device), place)
+        else:
+            index = torch.tensor(_halo_rows(runs, per_rank, halo, runs[me][j][0], zero_row),
+                                 device=x.device)
         before = rows.index_select(0, index).permute(1, 2, 0)           # (B, C, halo)
         out.append(F.conv1d(torch.cat([before, piece], -1), kernel, bias, groups=x.size(1)))
     return torch.cat(out, -1)

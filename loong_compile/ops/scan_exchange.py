@@ -50,7 +50,39 @@ def group_runs(seq_len: int, hp: int, cp: int, places: list[tuple[int, int]]) ->
     rank ``g``'s ``(cp_rank, hp_rank)`` (``LoongMesh.group_places``)."""
     if len(places) != hp * cp:
         raise ValueError(f"{len(places)} places for a group of hp*cp = {hp * cp} ranks")
-    return [token_runs(seq_len, cp, hp, c, h) for c, h in places]
+    return [token_runs(seq_len, cp, hp, c, h, merged=False) for c, h in places]
+
+
+def same_run_lengths(runs: list[list[tuple[int, int]]]) -> bool:
+    """Whether every rank holds runs of the same lengths in the same order (the layouts of
+    ``parallel/tokens.py`` for a sequence that divides evenly): then a rank's computation
+    differs from another's only in which runs' results it reads (``place_tensor``)."""
+    return all([n for _, n in r] == [n for _, n in runs[0]] for r in runs)
+
+
+def place_tensor(group_rank: int | None, group_name: str, group_size: int, device) -> Tensor:
+    """This rank's place in the group as a 0-d int64 tensor: read when the graph runs, not when
+    it is traced, so that every rank's graph is the same one (and the ranks' lowering is shared,
+    ``loong_compile/shared_lowering.py``)."""
+    if group_rank is not None:
+        return torch.tensor(group_rank, device=device)
+    return group_place(torch.empty(0, device=device), group_name, group_size)
+
+
+@torch.library.custom_op("loong::group_place", mutates_args=())
+def group_place(like: Tensor, group_name: str, group_size: int) -> Tensor:
+    """This rank's place in the group, on ``like``'s device."""
+    return torch.tensor(dist.get_rank(group(group_name)) if group_size > 1 else 0, device=like.device)
+
+
+@group_place.register_fake
+def _(like, group_name, group_size):
+    return like.new_empty((), dtype=torch.int64)
+
+
+def pick(values: Tensor, place: Tensor) -> Tensor:
+    """``values[place]``: the row of this rank, ``place`` a 0-d tensor."""
+    return values.index_select(0, place.reshape(1)).squeeze(0)
 
 
 def my_place(group_rank: int | None, group_name: str, group_size: int) -> int:

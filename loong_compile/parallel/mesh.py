@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from loong_compile import _compat
-from loong_compile._compat.distributed import new_group_in_order
+from loong_compile._compat.distributed import new_group_in_order, register_group_alias
 from loong_compile.checks import ranks as rank_check
 from loong_compile.errors import LoongMeshError
 from loong_compile.parallel.rules import PLACEMENTS, inner_ring_violation, rank_of
@@ -286,6 +286,10 @@ def _build(hp, cp, placement, inner_ring, dp, world_group) -> LoongMesh:
                        for ring in ring_rank_lists(line, inner_ring)[kind]]
     for kind in ("sp", *RING_GROUPS):
         names[kind] = _new_groups(ranks[kind], rank, f"loong_{kind}")
+    # the graphs name groups by what they are, the same on every rank (ops resolve them by name)
+    tag = f"{dp}x{cp}x{hp}:{placement}:ring{inner_ring}"
+    names = {kind: register_group_alias(f"loong_{kind}:{tag}", name) if name else ""
+             for kind, name in names.items()}
     return LoongMesh(dp, hp, cp, inner_ring, placement, rank, layout, device_mesh, names, ranks,
                      world_group)
 

@@ -66,10 +66,12 @@ def shard_chunks(seq_len: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
     return [(cp_rank * chunk, chunk), ((2 * cp - 1 - cp_rank) * chunk, chunk)]
 
 
-def token_runs(seq_len: int, cp: int, hp: int, cp_rank: int, hp_rank: int) -> list[tuple[int, int]]:
+def token_runs(seq_len: int, cp: int, hp: int, cp_rank: int, hp_rank: int,
+               merged: bool = True) -> list[tuple[int, int]]:
     """``local_token_indices`` as ``(first global position, length)`` runs of consecutive
     positions, in local order: what a token mixer with a state (a scan, a causal convolution)
-    needs to know of where its tokens sit in the sequence."""
+    needs to know of where its tokens sit in the sequence.  ``merged=False`` keeps the middle
+    CP rank's two adjacent chunks apart, so that every rank holds runs of the same lengths."""
     check_sequence_length(seq_len, cp, hp)
     piece = seq_len // (cp * hp)
     skip, runs = hp_rank * piece, []
@@ -77,7 +79,7 @@ def token_runs(seq_len: int, cp: int, hp: int, cp_rank: int, hp_rank: int) -> li
         take_from = min(skip, length)
         skip -= take_from
         length_here = min(length - take_from, piece - sum(n for _, n in runs))
-        if length_here > 0 and runs and sum(runs[-1]) == start + take_from:  # the middle CP rank
+        if length_here > 0 and merged and runs and sum(runs[-1]) == start + take_from:  # the middle CP rank
             runs[-1] = (runs[-1][0], runs[-1][1] + length_here)
         elif length_here > 0:
             runs.append((start + take_from, length_here))
