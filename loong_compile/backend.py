@@ -128,7 +128,6 @@ class _GraphCompile:
         self._scheduling_kind = "forward"   # the graph Inductor is lowering (set by _post_grad)
         self._post_grad_runs = 0             # lowerings that ran the post_grad stage here
         self._sharing: shared_lowering.SharedLowering | None = None   # set when the ranks agreed
-        self._token = ""                     # in Inductor's cache key when ranks share lowerings
         self.report.skipped.extend(dict(s) for s in backend.skipped)
         self.report.skipped += [{"name": c.name, "stage": "torch", "reason": c.without}
                                 for c in _compat.degraded()]
@@ -217,11 +216,9 @@ class _GraphCompile:
             "compile", rank_check.compile_fingerprint(self.config.to_dict(), self.gm, collectives),
             self.config.rank_check_timeout, ranks=self.mesh.sp_ranks)
         if self._shares_lowerings():
-            index, ranks = rank_check.current_compile(), self.mesh.sp_ranks
-            self._token = shared_lowering.compile_token(index, ranks, self.mesh.rank,
-                                                        self.config.rank_check_timeout)
-            self._sharing = shared_lowering.SharedLowering(index, ranks, self.mesh.rank,
-                                                           self.config.rank_check_timeout)
+            self._sharing = shared_lowering.SharedLowering.start(
+                rank_check.current_compile(), self.mesh.sp_ranks, self.mesh.rank,
+                self.config.rank_check_timeout)
         self.report.passes.append(PassRecord("rank_check", "dynamo", "dynamo", 0.0, {
             "matched": len(collectives), "changed": 0,
             "result": "all ranks compiled the same graph with the same options"}))
@@ -316,7 +313,8 @@ class _GraphCompile:
         h = hashlib.sha256(json.dumps(self.config.to_dict(), sort_keys=True, default=str).encode())
         h.update(",".join(p.name for s in STAGES for p in self.active[s]).encode())
         h.update(library_source_digest().encode())
-        h.update(self._token.encode())   # ranks sharing lowerings: this compile's entries only
+        if self._sharing is not None:   # ranks sharing lowerings: this compile's entries only
+            h.update(self._sharing.token.encode())
         return h.hexdigest()
 
 

@@ -13,7 +13,7 @@ graph), among the ranks that agreed on the compile:
 1. each rank publishes its graph's key: the graph's code, its inputs, the host and the FX
    graph cache's directory (ranks on other machines never wait for one another);
 2. the lowest rank of each key lowers; the cache key holds a token of this compile
-   (``compile_token``), so that no other compile, before or after, can load its entry;
+   (``SharedLowering.token``), so that no other compile, before or after, can load its entry;
 3. the others wait for it, then lower: a cache hit, or a lowering of their own when its
    result was not cached (then their own passes ran and their records are their own);
 4. the last rank to load it removes the entry (a leader without followers, at once).
@@ -40,17 +40,6 @@ from loong_compile._compat.inductor import drop_fx_graph_cache_entry, fx_graph_c
 from loong_compile.report import PassRecord
 
 _PREFIX = "loong_compile/lowering"
-
-
-def compile_token(index: int, ranks: Sequence[int], rank: int, timeout: float) -> str:
-    """A token the ranks of compile ``index`` share and no other compile has: the lowest rank
-    draws it, the others read it from the store."""
-    store = default_store()
-    key = f"{_PREFIX}/{index}/token"
-    if rank == min(ranks):
-        store.set(key, uuid.uuid4().hex)
-    store_wait(store, [key], timeout)
-    return store.get(key).decode()
 
 
 def graph_key(graph: torch.fx.GraphModule, inputs: Sequence[Any], kind: str) -> str:
@@ -82,6 +71,18 @@ class SharedLowering:
     ranks: list[int]
     rank: int
     timeout: float
+    token: str     # in Inductor's cache key: no other compile can load this one's entries
+
+    @classmethod
+    def start(cls, index: int, ranks: Sequence[int], rank: int, timeout: float) -> SharedLowering:
+        """The ranks' lowerings of compile ``index``; the lowest rank draws the token, the
+        others read it from the store."""
+        store = default_store()
+        key = f"{_PREFIX}/{index}/token"
+        if rank == min(ranks):
+            store.set(key, uuid.uuid4().hex)
+        store_wait(store, [key], timeout)
+        return cls(index, list(ranks), rank, timeout, store.get(key).decode())
 
     def lower(self, kind: str, key: str, lower: Callable[[], tuple[Any, bool]],
               records: list[PassRecord]) -> Any:

@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from loong_compile.ops.alltoall import seq_all_to_all
-from loong_compile.ops.scan_exchange import gather_summaries, group_runs, my_place, pick, place_tensor, same_run_lengths
+from loong_compile.ops.scan_exchange import (gather_summaries, group_runs, my_place, pick, place_tensor,
+                                              same_run_lengths)
 
 
 # tokens per block of the chunked form (fla's and transformers' default)
@@ -47,21 +48,20 @@ def gated_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, 
     size = len(places)
     runs = group_runs(q.size(2) * size, hp, cp, places)
     # where the runs are alike, the start states of every rank's runs, this rank's picked at run time
-    me = None if same_run_lengths(runs) or size == 1 else my_place(group_rank, scan_group, size)
+    me = 0 if size == 1 else None if same_run_lengths(runs) else my_place(group_rank, scan_group, size)
     summaries, offset = [], 0
     for _, length in runs[me or 0]:
         part = slice(offset, offset + length)
         summaries.append(run_summary(q[:, :, part], k[:, :, part], v[:, :, part], g[:, :, part],
                                      None if beta is None else beta[:, :, part], delta, chunk))
         offset += length
-    transitions = [(m, n) for _, _, m, n in summaries]
-    if me is None and size > 1:
-        every = _start_states(runs, transitions, size, scan_group)
+    every = _start_states(runs, [(m, n) for _, _, m, n in summaries], size, scan_group)
+    if me is None:
         place = place_tensor(group_rank, scan_group, size, q.device)
         starts = [pick(torch.stack([rank_starts[j] for rank_starts in every]), place)
                   for j in range(len(runs[0]))]
     else:
-        starts = _start_states(runs, transitions, size, scan_group, me=me or 0)[0]
+        starts = every[me]
     return torch.cat([o0 + qeff @ start for (o0, qeff, _, _), start in zip(summaries, starts)], 2)
 
 
@@ -190,9 +190,9 @@ def _chunk_terms(q, k, v, g, beta, delta: bool):
     return read, intra, values, k_cum, k_decayed, cumulative[..., -1].exp().to(dtype)[..., None, None]
 
 
-def _start_states(runs, transitions, size: int, scan_group: str, me: int | None = None) -> list[list[Tensor]]:
-    """The state each run starts from, per rank in group order (``me``: only that rank's, as a
-    list of one): every run's ``(M, N)`` gathered, folded in sequence order."""
+def _start_states(runs, transitions, size: int, scan_group: str) -> list[list[Tensor]]:
+    """The state each run of each rank starts from (ranks in group order): every run's
+    ``(M, N)`` gathered, folded in sequence order."""
     M0, N0 = transitions[0]
     if size == 1:
         return [[torch.zeros_like(N0)]]
@@ -203,9 +203,7 @@ def _start_states(runs, transitions, size: int, scan_group: str, me: int | None 
     split = M0[0, 0].numel()
     order = sorted((first, rank, j) for rank, rank_runs in enumerate(runs)
                    for j, (first, _) in enumerate(rank_runs))
-    wanted = range(size) if me is None else [me]
-    last = max(first for r in wanted for first, _ in runs[r])
-    state, starts = torch.zeros_like(N0), {}
+    state, starts, last = torch.zeros_like(N0), {}, order[-1][0]
     for first, rank, j in order:
         starts[rank, j] = state
         if first == last:
@@ -213,7 +211,7 @@ def _start_states(runs, transitions, size: int, scan_group: str, me: int | None 
         M = gathered[rank, j, ..., :split].unflatten(-1, M0.shape[-2:])
         N = gathered[rank, j, ..., split:].unflatten(-1, N0.shape[-2:])
         state = (M @ state if M.size(-1) > 1 else M * state) + N
-    return [[starts[r, j] for j in range(len(runs[r]))] for r in wanted]
+    return [[starts[r, j] for j in range(len(rank_runs))] for r, rank_runs in enumerate(runs)]
 
 
 def state_bytes(batch: int, heads: int, dk: int, dv: int, delta: bool, runs_per_rank: int,
