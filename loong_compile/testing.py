@@ -1,7 +1,9 @@
 """Run a function on N local ranks (gloo) with a hard timeout; optionally on ranks kept between calls.
 
 Tests and benchmarks use this instead of ``torch.multiprocessing.spawn`` so that a hang in a
-collective fails the call after ``timeout`` seconds instead of blocking CI.
+collective fails the call after ``timeout`` seconds instead of blocking CI.  ``run_each`` runs
+several calls two at a time, for cells whose ranks leave cores idle (a rank waiting for another's
+lowering, one process computing a reference).
 
 Inside ``keep_ranks()`` (the test suite's whole session) one set of ranks per world size serves
 every call: process start, ``import torch``/transformers and Inductor's first-compile imports
@@ -21,6 +23,7 @@ import pickle
 import queue
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections import OrderedDict
@@ -30,8 +33,9 @@ import torch.multiprocessing as mp
 
 # ranks kept alive at once over all kept pools (each ~0.5 GB: torch, transformers, Inductor):
 # a pool for each world size the suite runs (1 + 2 + 4 + 8), so that modules that alternate
-# 4 and 8 ranks restart none (a 4-rank pool's start costs ~20 s of CI's two cores)
-MAX_KEPT_RANKS = 16
+# 4 and 8 ranks restart none (a 4-rank pool's start costs ~20 s of CI's two cores), and the
+# second pool of 1 and of 4 ranks that run_each's second lane uses
+MAX_KEPT_RANKS = 20
 # after one rank raised, how long the others get to report before the call stops
 FAILURE_GRACE_S = 10.0
 
@@ -202,10 +206,15 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-# (world, backend, what the caller's sys.path puts before the session's) -> ranks kept by
+# (world, backend, lane, what the caller's sys.path puts before the session's) -> ranks kept by
 # keep_ranks(), least recently used first: a call whose sys.path has entries in front (a
 # test's stand-in modules) gets ranks of its own, as a spawn would
 _kept: OrderedDict[tuple, _Ranks] | None = None
+# the keys of the kept pools serving a call now (never ended to make room); guarded by _lock
+_busy: set[tuple] = set()
+_lock = threading.Lock()
+# run_each's lane of the calling thread: calls at once never share a pool
+_lane = threading.local()
 # sys.path when keep_ranks() was entered
 _home_path: tuple = ()
 
@@ -238,14 +247,19 @@ def _ranks_for(world: int, backend: str) -> tuple[_Ranks, tuple | None]:
     """(ranks for this call, their key in ``_kept``, or None when they end with the call)."""
     if _kept is None:
         return _Ranks(world, backend, kept=False), None
-    key = (world, backend, _prepended())
-    ranks = _kept.pop(key, None)
-    if ranks is None or not ranks.alive():
-        while _kept and sum(r.world for r in _kept.values()) + world > MAX_KEPT_RANKS:
-            guests = [k for k in _kept if k[2]]   # a few tests' stand-ins: ended first
-            _kept.pop(guests[0] if guests else next(iter(_kept))).close()
-        ranks = _Ranks(world, backend, kept=True)
-    _kept[key] = ranks
+    key = (world, backend, getattr(_lane, "index", 0), _prepended())
+    with _lock:
+        ranks = _kept.pop(key, None)
+        if ranks is None or not ranks.alive():
+            idle = [k for k in _kept if k not in _busy]
+            while idle and sum(r.world for r in _kept.values()) + world > MAX_KEPT_RANKS:
+                guests = [k for k in idle if k[3]]   # a few tests' stand-ins: ended first
+                end = guests[0] if guests else idle[0]
+                idle.remove(end)
+                _kept.pop(end).close()
+            ranks = _Ranks(world, backend, kept=True)
+        _kept[key] = ranks
+        _busy.add(key)
     return ranks, key
 
 
@@ -262,10 +276,14 @@ def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 300.0
     try:
         collected = ranks.call(fn, args, timeout)
     finally:
-        if key is None or len(collected) < world or not ranks.alive():
+        ended = key is None or len(collected) < world or not ranks.alive()
+        if ended:
             ranks.close()
-            if key is not None:
-                _kept.pop(key, None)
+        if key is not None:
+            with _lock:
+                _busy.discard(key)
+                if ended:
+                    _kept.pop(key, None)
     errors = {r: payload for r, (status, payload) in collected.items() if status == "error"}
     if errors:
         raise DistributedFailure(errors)
@@ -274,3 +292,38 @@ def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 300.0
         codes = {r: ranks.procs[r].exitcode for r in missing}
         raise RuntimeError(f"ranks {missing} died without reporting (exit codes {codes})")
     return [collected[r][1] for r in range(world)]
+
+
+def run_each(calls: list[tuple[Callable, int, tuple]], timeout: float = 300.0,
+             at_once: int = 2) -> list[Any]:
+    """``run_distributed(fn, world, *args)`` for each ``(fn, world, args)``, ``at_once`` calls at
+    a time, each on its own ranks (a lane of kept pools per caller thread): each call's result,
+    or the exception it raised (``DistributedFailure`` naming the ranks, ``TimeoutError``), in
+    the calls' order.  One call's failure is its own: the others still run and report.
+
+    Two at a time fill the cores one call leaves idle (its ranks waiting for one rank's
+    lowering, the caller computing a reference): docs/benchmarks.md, "Test suite time"."""
+    results: list[Any] = [None] * len(calls)
+    pending = queue.SimpleQueue()
+    for index in range(len(calls)):
+        pending.put(index)
+
+    def lane(number: int) -> None:
+        _lane.index = number
+        while True:
+            try:
+                index = pending.get_nowait()
+            except queue.Empty:
+                return
+            fn, world, args = calls[index]
+            try:
+                results[index] = run_distributed(fn, world, *args, timeout=timeout)
+            except Exception as exc:  # noqa: BLE001 - the call's own result
+                results[index] = exc
+
+    lanes = [threading.Thread(target=lane, args=(n,), daemon=True) for n in range(at_once)]
+    for thread in lanes:
+        thread.start()
+    for thread in lanes:
+        thread.join()
+    return results

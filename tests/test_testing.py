@@ -1,5 +1,6 @@
 """run_distributed's kept ranks: each call as a new process would see it, and a failure or a hang
-in one call reported by rank and kept from the next."""
+in one call reported by rank and kept from the next; run_each's calls at once, each on its own
+ranks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.fx
 import torch.distributed as dist
 
-from loong_compile.testing import DistributedFailure, keep_ranks, run_distributed
+from loong_compile.testing import DistributedFailure, keep_ranks, run_distributed, run_each
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks
 
@@ -113,6 +114,25 @@ def test_a_guest_pool_is_ended_before_the_suites_own(monkeypatch, tmp_path):
         monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path / "behind")])
         run_distributed(_pid, 1, timeout=120)   # the suite's own one-rank pool
         assert run_distributed(_pid, 2, timeout=120) == home
+
+
+def _pid_after_a_while(rank, world):
+    time.sleep(2)   # long enough that the other lane's calls start meanwhile
+    return os.getpid()
+
+
+def test_calls_at_once_run_on_ranks_of_their_own_and_fail_alone():
+    """Two lanes: the calls running at once never share a rank, a lane's later calls reuse its
+    ranks, and a call that raised is that call's result while the others report."""
+    calls = [(_pid_after_a_while, 2, ()), (_pid_after_a_while, 2, ()),
+             (_raise_on, 2, (1, False)), (_pid_after_a_while, 2, ()), (_pid_after_a_while, 2, ())]
+    with keep_ranks():
+        results = run_each(calls, timeout=120)
+    failed = results.pop(2)
+    assert isinstance(failed, DistributedFailure) and "rank 1: ValueError" in str(failed), failed
+    pids = [tuple(r) for r in results]
+    assert set(pids[0]).isdisjoint(pids[1])   # the first two ran at once
+    assert len(set(pids)) == 2   # each lane's ranks serve its later calls
 
 
 def _one_trust_cell(rank, world):

@@ -56,12 +56,15 @@ policy did (``WORK``): sc++ tagged nodes for recompute, memo recomputed (alpha 0
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
 import pytest
 
 from helpers import BUDGET
-from loong_compile.testing import run_distributed
+from loong_compile.testing import run_each
 from trust_matrix import (INDUCTOR_TOLERANCE, WINDOW_SHARD, Case, reference, relative_error, run_case,
-                          tolerance)
+                          tolerance, warm_references)
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
 
@@ -110,20 +113,11 @@ WORK = {
 CASE_TIMEOUT = 600   # one case: 4 ranks compiling a forward and a backward with Inductor
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(CASE_TIMEOUT + 60)
-@pytest.mark.parametrize("policy,case", [(p, c) for p, cases in POLICY_CASES.items() for c in cases],
-                         ids=lambda v: v if isinstance(v, str) else v.name)
-def test_case_is_exact_under_inductor_at_hp2_cp2(policy, case):
-    _check_under_inductor(policy, case, hp=2, cp=2)
-
-
-# cp = 4: every run but the first takes its halo and its start state from another rank
-@pytest.mark.slow
-@pytest.mark.timeout(CASE_TIMEOUT + 60)
-@pytest.mark.parametrize("case", [*SCANS, *ONE_POLICY_SCANS], ids=lambda c: c.name)
-def test_scans_are_exact_under_inductor_at_cp4(case):
-    _check_under_inductor("none", case, hp=1, cp=4)
+class Cell(NamedTuple):
+    policy: str
+    case: Case
+    hp: int
+    cp: int
 
 
 # Inductor's CPU kernels without SIMD: choosing a vector tiling is a third of a cell's Python
@@ -133,37 +127,82 @@ def test_scans_are_exact_under_inductor_at_cp4(case):
 # still exercised by the one-rank cells below and the other Inductor tests.
 SCALAR_KERNELS = {"inductor_options": {"cpp.simdlen": 1}}
 
-
-def _check_under_inductor(policy: str, case: Case, hp: int, cp: int) -> None:
-    options = {"lowering": "inductor", "rank_check_timeout": 60, **SCALAR_KERNELS, **POLICIES[policy]}
-    outcome = run_distributed(run_case, hp * cp, hp, cp, case, options, timeout=CASE_TIMEOUT)[0]
-    assert outcome[0] == "ok", f"{case.name} under {policy}: {outcome[1]}: {outcome[2][:3000]}"
-    error = relative_error(outcome[1:3], reference(case))
-    bound = max(INDUCTOR_TOLERANCE, tolerance(case))   # a float32 scan kernel: its own error
-    assert error <= bound, f"{case.name} under {policy}: relative error {error:.1e} > {bound:.1e}"
-    if policy in WORK:
-        assert WORK[policy](outcome[3]), f"{case.name}: {policy} did nothing: {outcome[3]}"
-
-
+HP2_CP2 = [Cell(p, c, 2, 2) for p, cases in POLICY_CASES.items() for c in cases]
+# cp = 4: every run but the first takes its halo and its start state from another rank
+CP4 = [Cell("none", c, 1, 4) for c in [*SCANS, *ONE_POLICY_SCANS]]
 # hp = cp = 1 (issue 36): one process holds the whole sequence, and the attention pass replaces
 # every mask it proves (documents, padding, windows, chunks: the S x S mask transformers builds
-# under torch.compile) with 2D-Attention's masked op on one rank.  (layers: the calls at least
-# rewritten, one per layer; a graph compiled again counts its own, case)
-ONE_RANK_CASES = [(1, Case("llama", habit="packed_use_cache_false")),
-                  (1, Case("qwen2", habit="padding")),
-                  (1, Case("mistral", window=WINDOW_SHARD)),
-                  (2, Case("gemma3", window=WINDOW_SHARD, habit="packed_use_cache_false")),
-                  (1, Case("llama4"))]   # its NoPE layer: is_causal, no mask
+# under torch.compile) with 2D-Attention's masked op on one rank.  (the calls at least
+# rewritten, one per layer; a graph compiled again counts its own, by case)
+LAYERS_REWRITTEN = {Case("llama", habit="packed_use_cache_false"): 1,
+                    Case("qwen2", habit="padding"): 1,
+                    Case("mistral", window=WINDOW_SHARD): 1,
+                    Case("gemma3", window=WINDOW_SHARD, habit="packed_use_cache_false"): 2,
+                    Case("llama4"): 1}   # its NoPE layer: is_causal, no mask
+ONE_RANK = [Cell("none", c, 1, 1) for c in LAYERS_REWRITTEN]
+
+
+def _options(cell: Cell) -> dict:
+    if cell.hp * cell.cp == 1:
+        return {"lowering": "inductor"}
+    return {"lowering": "inductor", "rank_check_timeout": 60, **SCALAR_KERNELS,
+            **POLICIES[cell.policy]}
+
+
+@pytest.fixture(scope="module")
+def outcomes(request) -> dict:
+    """Each selected cell's result (its ranks' outcomes, or the exception of its call): two
+    cells at a time (``run_each``), while this process computes the references.  A cell's
+    ranks wait while one of them lowers a graph the others load, so one cell alone leaves a
+    core idle (docs/benchmarks.md, "Test suite time")."""
+    cells = list(dict.fromkeys(
+        item.callspec.params["cell"] for item in request.session.items
+        if item.module is request.module and "cell" in getattr(getattr(item, "callspec", None), "params", {})))
+    with ThreadPoolExecutor(1) as background:
+        background.submit(warm_references, [c.case for c in cells])
+        results = run_each([(run_case, c.hp * c.cp, (c.hp, c.cp, c.case, _options(c))) for c in cells],
+                           timeout=CASE_TIMEOUT)
+    return dict(zip(cells, results))
+
+
+def _exact_under_inductor(outcomes: dict, cell: Cell) -> dict:
+    """The cell's work_done, once its loss and gradients are within the tolerance."""
+    result = outcomes[cell]
+    where = f"{cell.case.name} under {cell.policy} at hp={cell.hp} x cp={cell.cp}"
+    if isinstance(result, BaseException):
+        pytest.fail(f"{where}: {type(result).__name__}: {str(result)[:3000]}")
+    outcome = result[0]
+    assert outcome[0] == "ok", f"{where}: {outcome[1]}: {outcome[2][:3000]}"
+    error = relative_error(outcome[1:3], reference(cell.case))
+    bound = max(INDUCTOR_TOLERANCE, tolerance(cell.case))   # a float32 scan kernel: its own error
+    assert error <= bound, f"{where}: relative error {error:.1e} > {bound:.1e}"
+    return outcome[3]
+
+
+# the first cell's item waits for the module's cells (~10 min on 2 cores)
+MODULE_TIMEOUT = 3000
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(CASE_TIMEOUT + 60)
-@pytest.mark.parametrize("layers,case", ONE_RANK_CASES, ids=[c.name for _, c in ONE_RANK_CASES])
-def test_one_rank_drops_the_mask_and_is_exact_under_inductor(layers, case):
-    outcome = run_distributed(run_case, 1, 1, 1, case, {"lowering": "inductor"},
-                              timeout=CASE_TIMEOUT)[0]
-    assert outcome[0] == "ok", f"{case.name}: {outcome[1]}: {outcome[2][:3000]}"
-    error = relative_error(outcome[1:3], reference(case))
-    assert error <= INDUCTOR_TOLERANCE, f"{case.name}: relative error {error:.1e}"
-    done = outcome[3]
+@pytest.mark.timeout(MODULE_TIMEOUT)
+@pytest.mark.parametrize("cell", HP2_CP2, ids=[f"{c.policy}-{c.case.name}" for c in HP2_CP2])
+def test_case_is_exact_under_inductor_at_hp2_cp2(outcomes, cell):
+    done = _exact_under_inductor(outcomes, cell)
+    if cell.policy in WORK:
+        assert WORK[cell.policy](done), f"{cell.case.name}: {cell.policy} did nothing: {done}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(MODULE_TIMEOUT)
+@pytest.mark.parametrize("cell", CP4, ids=[c.case.name for c in CP4])
+def test_scans_are_exact_under_inductor_at_cp4(outcomes, cell):
+    _exact_under_inductor(outcomes, cell)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(MODULE_TIMEOUT)
+@pytest.mark.parametrize("cell", ONE_RANK, ids=[c.case.name for c in ONE_RANK])
+def test_one_rank_drops_the_mask_and_is_exact_under_inductor(outcomes, cell):
+    done = _exact_under_inductor(outcomes, cell)
+    layers = LAYERS_REWRITTEN[cell.case]
     assert done["attention_rewritten"] >= layers and not done["attention_kept"], done

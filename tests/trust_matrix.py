@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import os
 import sys
@@ -234,11 +235,16 @@ def _autocast(case: Case):
     return contextlib.nullcontext()
 
 
-def reference(case: Case, dtype: torch.dtype | None = None,
-              autocast: bool = False) -> tuple[float, dict]:
+@functools.cache   # judging a case asks for it several times (its tolerance, an sdpa twin)
+def reference(case: Case, dtype: torch.dtype | None = None, autocast: bool = False,
+              exact_kernel: bool = False) -> tuple[float, dict]:
     """One process, full sequence (``_precision`` unless asked): the loss and gradients the user
     meant.  ``autocast``: under the case's autocast (with ``dtype`` float32: what one
-    process computes)."""
+    process computes); ``exact_kernel``: with the model's float32 scan kernel replaced by the
+    exact recurrence (``EXACT_KERNELS``)."""
+    if exact_kernel:
+        with _float64_kernel(case.arch):
+            return reference.__wrapped__(case, dtype, autocast)
     dtype = dtype or _precision(case.arch)
     model = _experts_setup(case, _loss_in_graph_setup(case, build(case.arch, case.attn,
                                                                    case.window, dtype)))
@@ -320,9 +326,7 @@ def tolerance(case: Case) -> float:
     if case.habit == "autocast_bf16":
         return 2 * relative_error(reference(case, torch.float32, autocast=True), reference(case))
     if case.arch in EXACT_KERNELS:
-        with _float64_kernel(case.arch):
-            exact = reference(case)
-        return 2 * relative_error(reference(case), exact)
+        return 2 * relative_error(reference(case), reference(case, exact_kernel=True))
     if case.arch in FLOAT32_INSIDE + FLOAT32_MODELS or case.habit in LABELS_HABITS + (
             "shift_labels", "loss_in_graph", "loss_in_graph_padding"):
         return 1e-5
@@ -332,6 +336,15 @@ def tolerance(case: Case) -> float:
         # process, which test_trust_matrix checks beside)
         return 1e-5
     return 1e-9
+
+
+def warm_references(cases: list[Case]) -> None:
+    """Compute (into ``reference``'s cache) what judging each case needs of one process, while
+    the ranks compute the cases: the caller's process is otherwise idle then.  A case whose
+    reference raises is left to its test, which computes it again and fails alone."""
+    for case in cases:
+        with contextlib.suppress(Exception):
+            tolerance(case)   # and the references it reads, reference(case) among them
 
 
 def _distributed_step(case: Case, hp: int, cp: int, extra_options: dict | None = None):
@@ -510,27 +523,28 @@ CASES_PER_CALL = 12
 
 def run_matrix(cases: list[Case], world: int, hp: int, cp: int, extra_options: dict | None = None,
                call_timeout: float = 900, case_timeout: float = 300) -> dict:
-    """Every case's outcome on rank 0, ``CASES_PER_CALL`` cases per call on the kept ranks.  A
-    call that fails (a rank raised outside a ``LoongError``, died or hung) is run again a case
-    per call, so that the failure is the failing case's alone: ("crash", error, what
-    run_distributed said: each rank's error, or which ranks hung)."""
-    from loong_compile.testing import run_distributed
+    """Every case's outcome on rank 0, ``CASES_PER_CALL`` cases per call on the kept ranks, two
+    calls at a time (``run_each``: a call's ranks wait for each other at every rank check and
+    collective, which leaves a core idle).  A call that fails (a rank raised outside a
+    ``LoongError``, died or hung) is run again a case per call, so that the failure is the
+    failing case's alone: ("crash", error, what run_distributed said: each rank's error, or
+    which ranks hung)."""
+    from loong_compile.testing import run_each
 
-    outcomes = {}
-    for start in range(0, len(cases), CASES_PER_CALL):
-        part = cases[start:start + CASES_PER_CALL]
-        try:
-            outcomes.update(run_distributed(run_cases, world, hp, cp, part, extra_options,
-                                            timeout=call_timeout)[0])
-            continue
-        except Exception:  # noqa: BLE001 - each case again, alone
-            pass
-        for case in part:
-            try:
-                outcomes[case] = run_distributed(run_case, world, hp, cp, case, extra_options,
-                                                 timeout=case_timeout)[0]
-            except Exception as exc:  # noqa: BLE001 - judged as a crash
-                outcomes[case] = ("crash", type(exc).__name__, str(exc)[-3000:])
+    parts = [cases[start:start + CASES_PER_CALL] for start in range(0, len(cases), CASES_PER_CALL)]
+    results = run_each([(run_cases, world, (hp, cp, part, extra_options)) for part in parts],
+                       timeout=call_timeout)
+    outcomes, alone = {}, []
+    for part, result in zip(parts, results):
+        if isinstance(result, BaseException):
+            alone += part
+        else:
+            outcomes.update(result[0])
+    results = run_each([(run_case, world, (hp, cp, case, extra_options)) for case in alone],
+                       timeout=case_timeout)
+    for case, result in zip(alone, results):
+        outcomes[case] = (("crash", type(result).__name__, str(result)[-3000:])
+                          if isinstance(result, BaseException) else result[0])
     return outcomes
 
 
