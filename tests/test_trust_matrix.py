@@ -24,8 +24,8 @@ import pytest
 
 from hf_models import ARCHITECTURES
 from trust_matrix import (
-    WINDOW_SHARD, WINDOW_SHORT, Case, all_cases, judge, reference, relative_error, run_matrix, tolerance,
-    warm_references)
+    WINDOW_SHARD, WINDOW_SHORT, Case, all_cases, judge, reference, relative_error, run_matrix,
+    tolerance, warm_references)
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
 

@@ -155,13 +155,13 @@ def outcomes(request) -> dict:
     cells at a time (``run_each``), while this process computes the references.  A cell's
     ranks wait while one of them lowers a graph the others load, so one cell alone leaves a
     core idle (docs/benchmarks.md, "Test suite time")."""
-    cells = list(dict.fromkeys(
-        item.callspec.params["cell"] for item in request.session.items
-        if item.module is request.module and "cell" in getattr(getattr(item, "callspec", None), "params", {})))
+    params = [getattr(item, "callspec", None) for item in request.session.items
+              if item.module is request.module]
+    cells = list(dict.fromkeys(p.params["cell"] for p in params if p and "cell" in p.params))
+    calls = [(run_case, c.hp * c.cp, (c.hp, c.cp, c.case, _options(c))) for c in cells]
     with ThreadPoolExecutor(1) as background:
         background.submit(warm_references, [c.case for c in cells])
-        results = run_each([(run_case, c.hp * c.cp, (c.hp, c.cp, c.case, _options(c))) for c in cells],
-                           timeout=CASE_TIMEOUT)
+        results = run_each(calls, timeout=CASE_TIMEOUT)
     return dict(zip(cells, results))
 
 
