@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from llama import Llama, LlamaConfig  # noqa: E402
 from loong_compile import LoongBackend  # noqa: E402
 from loong_compile.passes import library_passes  # noqa: E402
-from loong_compile.passes.fx_util import node_flops  # noqa: E402
+from loong_compile.passes.fx.aten_ops import node_flops  # noqa: E402
 
 
 class RecomputedFlops:

@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from loong_compile.parallel.tokens import mesh_token_indices
 from loong_compile.parallel.mesh import init_mesh
 from loong_compile.ops import attention_2d, comm_counters, reset_comm_counters
-from loong_compile.ops.kernels import kernel_name
+from loong_compile.ops.attention.kernels import kernel_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

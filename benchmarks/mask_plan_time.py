@@ -1,9 +1,9 @@
-"""Host time of the step's mask plan (ops/mask_plan.py) at long sequences, one process.
+"""Host time of the step's mask plan (ops/masks/blocks.py) at long sequences, one process.
 
     python benchmarks/mask_plan_time.py [--seq 1048576] [--cp 8] [--mean 16384] [--repeats 3]
 
 The plan is made once per step on the host from one copy of the document ids
-(ops/step_mask.py): this is that host work, for documents of random lengths (mean
+(ops/masks/step.py): this is that host work, for documents of random lengths (mean
 ``--mean``, seeded, as benchmarks/masked_attention.py draws them) in the contiguous order and
 in ``shard_batch(balance_documents=True)``'s, where every document spans every layout chunk
 and the tiles are also cut where documents meet.  Median of ``--repeats``.  Asserts nothing.
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from loong_compile.ops.mask_plan import key_intervals, mask_plan
+from loong_compile.ops.masks.blocks import key_intervals, mask_plan
 
 from masked_attention import balanced, packed_documents  # benchmarks/masked_attention.py
 

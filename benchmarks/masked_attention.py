@@ -10,11 +10,11 @@ head/tail over the CP ranks; the row's last documents dropped to leave the room 
 needs).  Per
 rank: attention FLOPs executed (forward + backward, ``14·B·H·D`` per computed
 (query, key) pair: the cropped blocks the kernel runs, or for the ring the
-causal-skipping blocks of ops/ring.py), P2P bytes sent (forward + backward,
+causal-skipping blocks of ops/attention/ring.py), P2P bytes sent (forward + backward,
 from the ops' counters), and the ideal of each: the pairs the mask allows and
 the KV chunks of this rank that other ranks' allowed pairs read (sent as KV
 forward and backward, dK/dV back in the accumulation dtype); the received KV
-bytes alive at once (the steps of ops/masked.py: two at most; the Double-Ring's
+bytes alive at once (the steps of ops/attention/masked.py: two at most; the Double-Ring's
 two chunks), beside what posting every receive at once would hold; and the
 busiest rank's allowed work over the mean.  The median fwd+bwd time (slowest
 rank) is beside them.  Asserts nothing: a table.
@@ -31,11 +31,11 @@ import torch.distributed as dist
 from loong_compile.parallel.tokens import local_token_indices, mesh_token_indices
 from loong_compile.parallel.mesh import init_mesh
 from loong_compile.ops import attention_2d, comm_counters, reset_comm_counters
-from loong_compile.ops.kernels import accumulation_dtype
-from loong_compile.ops.documents import number_documents
-from loong_compile.ops.mask_plan import key_intervals, mask_plan
+from loong_compile.ops.attention.kernels import accumulation_dtype
+from loong_compile.ops.masks.documents import number_documents
+from loong_compile.ops.masks.blocks import key_intervals, mask_plan
 from loong_compile.parallel.balance import balanced_order
-from loong_compile.ops.ring import block_plan
+from loong_compile.ops.attention.ring import block_plan
 
 from attention_2d import timed  # benchmarks/attention_2d.py: median of the slowest rank's times
 
@@ -99,7 +99,7 @@ def masked_figures(ids: torch.Tensor, window: int | None, cp: int, cp_rank: int)
     chunk = ids.size(1) // (2 * cp)
     chunk_plan = mask_plan(ids, True, window, cp, tiles_per_chunk=1)
     ideal_columns = chunk * sum(len(ranges) for ranges in chunk_plan.serves(cp_rank).values())
-    # ops/masked.py's steps: step d receives from rank r + d while step d + 1 travels
+    # ops/attention/masked.py's steps: step d receives from rank r + d while step d + 1 travels
     step_columns = [sum(stop - start for start, stop in
                         plan.ranks[cp_rank].needs.get((cp_rank + d) % cp, ()))
                     for d in range(1, cp)] + [0]

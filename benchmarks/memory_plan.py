@@ -21,7 +21,7 @@ at once: every buffer on its own = the bound, our layout, one pool for the
 whole graph, Inductor's own pools) and the peaks measured with the CPU
 allocator's profiler events during the forward call and during
 ``loss.backward()``, with and without the plan.  ``--synthetic`` runs
-:func:`compare_plans` on ``planner.generate.layered_instance`` (no compile).
+:func:`compare_plans` on ``solver.generate.layered_instance`` (no compile).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MINIMALLOC_DIR = ROOT.parent / "shared" / "benchmarks" / "minimalloc"
 
-from loong_compile.planner import Buffer, plan, plan_bilevel  # noqa: E402
+from loong_compile.passes.memory_plan.solver import Buffer, plan, plan_bilevel  # noqa: E402
 from loong_compile.report.allocator import measure_peak_bytes  # noqa: E402
 
 def load_minimalloc(path: Path) -> list[Buffer]:
@@ -78,8 +78,8 @@ def compare_plans(buffers: list[Buffer], time_limit: float, alignment: int = 64,
     ``mip`` (greedy then the flat MIP) and ``bilevel``; the MIP and the
     bi-level planner get the same time limit.
     """
-    from loong_compile.planner.greedy import place_in_order
-    from loong_compile.planner.problem import Instance
+    from loong_compile.passes.memory_plan.solver.greedy import place_in_order
+    from loong_compile.passes.memory_plan.solver.problem import Instance
 
     inst = Instance(buffers, alignment)
     by_size = place_in_order(inst, sorted(range(inst.n), key=lambda k: -inst.sizes[k]))
@@ -155,8 +155,8 @@ def run_models(kind: str, layers: list[int], time_limit: float, seq: int, dim: i
                heads: int, kv_heads: int, batch: int) -> list[dict]:
     import torch
 
-    from loong_compile._compat.pool_planner import pool_planning_patches
-    from loong_compile.passes.memory_plan import inductor_config_patches, request_buffers
+    from loong_compile.passes.memory_plan.plan_pass import inductor_config_patches, request_buffers
+    from loong_compile.passes.memory_plan.request import pool_planning_patches
 
     rows = []
     for n in layers:
@@ -193,7 +193,7 @@ def run_models(kind: str, layers: list[int], time_limit: float, seq: int, dim: i
 
 
 def run_synthetic(layers: list[int], time_limit: float) -> list[dict]:
-    from loong_compile.planner.generate import layered_instance
+    from loong_compile.passes.memory_plan.solver.generate import layered_instance
 
     rows = []
     for n in layers:

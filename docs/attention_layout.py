@@ -13,7 +13,7 @@ import argparse
 
 from loong_compile.parallel.tokens import local_token_indices
 from loong_compile.parallel.mesh import rank_layout
-from loong_compile.ops.ring import ring_schedule
+from loong_compile.ops.attention.ring import ring_schedule
 
 
 def layout_picture(seq: int, hp: int, cp: int, placement: str) -> str:

@@ -232,7 +232,7 @@ def plot_losses(losses: list[float], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"matplotlib is not installed; not writing {path} (pip install loong-compile[plot])")
+        print(f"matplotlib is not installed; not writing {path} (pip install matplotlib)")
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(losses) + 1), losses)

@@ -11,7 +11,7 @@ Stages (docs/architecture.md has a paragraph on each):
 4. ``schedule``: passes on Inductor's scheduler nodes before fusion (their order and
    ordering-only holds, ``_compat.inductor.scheduler_patches``), once per compiled graph.
 5. Inductor generates the kernels; ``inductor``: passes that place its buffers in memory
-   pools (``_compat.pool_planner.pool_planning_patches``), once per compiled graph.
+   pools (``passes.memory_plan.request.pool_planning_patches``), once per compiled graph.
 
 Every hook is handed to ``compile_fx`` as ``config_patches``, so no global
 torch config is changed by a compile.
@@ -39,7 +39,6 @@ from loong_compile._compat.inductor import (
     LoongPartitioner, LoongPostGrad, comm_overlap_patches, compile_fx, inductor_config_value, on_next_output_code,
     scheduler_patches,
 )
-from loong_compile._compat.pool_planner import pool_planning_patches
 from loong_compile.checks import inputs as input_checks
 from loong_compile.checks import ranks as rank_check
 from loong_compile.config import LoongConfig
@@ -48,6 +47,7 @@ from loong_compile.passes import library_passes, library_source_digest
 from loong_compile.passes.attention.input_roles import BALANCED_EXACT, POSITION_INPUTS
 from loong_compile.passes.attention.made_positions import MADE_POSITIONS
 from loong_compile.passes.loss.sequence_loss import LABELS_SHIFTED
+from loong_compile.passes.memory_plan.request import pool_planning_patches
 from loong_compile.passes.base import STAGES, GraphPass, PassContext, ScheduleRequest, SplitGraphs, check_contracts
 from loong_compile.report import Dumper, GraphReport, PassRecord, overlap
 
@@ -279,7 +279,7 @@ class _GraphCompile:
         return {**self.config.inductor_options, **patches}
 
     def _plan_memory(self, request: Any) -> None:
-        """One compiled graph's buffers (a ``_compat.inductor_pools.PoolRequest``) through the inductor stage."""
+        """One compiled graph's buffers (a ``memory_plan.request.PoolRequest``) through the inductor stage."""
         self.run_stage("inductor", request, request.graph_kind)
 
     def _post_grad(self, graph: torch.fx.Graph, is_inference: bool) -> None:

@@ -3,23 +3,26 @@
 Environment variables give defaults (``LOONG_HP=2``); explicit ``options``
 override them.  Every key is validated here, once, and so is the one rule
 between keys (the inner ring divides cp, ``loong_compile.parallel.rules``), so passes
-and ops can trust the values they read.
+and ops can trust the values they read.  A field's annotation is its one declaration of type:
+it decides how a ``LOONG_*`` string is read and which values pass; ``_RULES`` adds what a
+type cannot say (a range, the words of a refusal).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-from collections.abc import Mapping
-from typing import Any
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 from loong_compile.errors import LoongConfigError
-from loong_compile.parallel.rules import (
-    ACTIVATION_POLICIES, PLACEMENTS, ActivationPolicy, Placement, inner_ring_violation,
-)
+from loong_compile.parallel.rules import ActivationPolicy, Placement, inner_ring_violation
 
-LOWERINGS = ("inductor", "aot_eager", "eager")
+Lowering = Literal["inductor", "aot_eager", "eager"]
 ENV_PREFIX = "LOONG_"
 
 
@@ -29,11 +32,11 @@ class LoongConfig:
 
     hp, cp: head-parallel and context-parallel degrees (sp = hp * cp ranks share a sequence).
     placement: ``head_first`` keeps an HP group on consecutive ranks, ``context_first`` a CP group
-        (``layout.PLACEMENT_DOCS``).
+        (``parallel/rules.py::PLACEMENT_DOCS``).
     inner_ring: ranks per inner ring of the Double-Ring (must divide cp).
     activations: ``none`` (Inductor's partition), ``sc++`` (save layer inputs and attention
         outputs, recompute the rest), ``memo`` (offload + token-slice recompute)
-        (``layout.ACTIVATION_POLICY_DOCS``).
+        (``parallel/rules.py::ACTIVATION_POLICY_DOCS``).
     alpha: fraction of "other" activations' tokens offloaded under ``memo``; ``"auto"`` solves MEMO's LP.
     host_bandwidth: host<->device copy bandwidth in bytes/s (MEMO's B); ``"auto"`` measures it.
     host_memory: host bytes this rank may fill with offloaded activations (MEMO's M_CPU);
@@ -70,27 +73,27 @@ class LoongConfig:
     placement: Placement = "head_first"
     inner_ring: int = 1
     activations: ActivationPolicy = "none"
-    alpha: float | str = "auto"
-    host_bandwidth: float | str = "auto"
-    host_memory: float | str = "auto"
-    layer_time: float | str = "auto"
+    alpha: float | Literal["auto"] = "auto"
+    host_bandwidth: float | Literal["auto"] = "auto"
+    host_memory: float | Literal["auto"] = "auto"
+    layer_time: float | Literal["auto"] = "auto"
     resident_layers: int = 2
     memory_plan: bool = False
     solver_time_limit: float = 10.0
-    dump_dir: str | None = None
+    dump_dir: str | os.PathLike | None = None
     disable_passes: tuple[str, ...] = ()
-    lowering: str = "inductor"
+    lowering: Lowering = "inductor"
     inductor_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     allow_graphs_without_attention: bool = False
     token_local_ops: tuple[str, ...] = ()
     rank_check_timeout: float = 300.0
-    lm_head_chunk: int | str = "auto"
+    lm_head_chunk: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check(f.name, getattr(self, f.name))
+        for key, hint in _TYPES.items():
+            _check(key, getattr(self, key), hint)
         # the one rule between fields (sizes that need a world, a batch or a model are checked
-        # where those are known: parallel/mesh.py, parallel/tokens.py, ops/attention.py)
+        # where those are known: parallel/mesh.py, parallel/tokens.py, ops/attention/attention_2d.py)
         violation = inner_ring_violation(self.cp, self.inner_ring)
         if violation:
             raise LoongConfigError(*violation)
@@ -115,16 +118,74 @@ class LoongConfig:
                 'pass e.g. options={"hp": 2, "cp": 2}')
         values = _from_environ(os.environ if environ is None else environ)
         for key, value in (options or {}).items():
-            values[_known_key(key, "option")] = _coerce(key, value)
+            key = _known_key(key, "option")
+            values[key] = _coerce(key, value)
         return cls(**values)
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(LoongConfig)}
+# each field's annotation, the one place its type is declared
+_TYPES: dict[str, Any] = typing.get_type_hints(LoongConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """What a field's type cannot say: the numbers it allows and the words of its refusal,
+    ``"{key} must be {must}"`` and ``fix`` (where ``{key}`` is the field's name).  Without
+    words, a Literal's choices or a bool's values say them."""
+
+    must: str = ""
+    fix: str = ""
+    low: float = -math.inf
+    low_open: bool = False   # low itself refused too
+    high: float = math.inf
+    finite: bool = False     # nan and inf refused
+    env_must: str = ""       # how a LOONG_* variable's refusal words ``must``, where it differs
+    valid: Callable[[Any], bool] = lambda value: True   # a condition beyond the type and range
+
+
+_COUNT = _Rule("an integer >= 1", "pass {key}=1 or a larger integer", low=1)
+_SECONDS = _Rule("a positive number of seconds", "pass e.g. {key}=10", low=0, low_open=True,
+                 env_must="a number of seconds > 0")
+
+
+def _measured(must: str, low_open: bool = True) -> _Rule:
+    """A quantity MEMO's LP needs: "auto" (measured at compile time) or a finite number."""
+    return _Rule(f'"auto" or {must}', 'pass {key}="auto" to measure it, or a finite number',
+                 low=0, low_open=low_open, finite=True)
+
+
+_RULES = {
+    "hp": _COUNT, "cp": _COUNT, "inner_ring": _COUNT,
+    "alpha": _Rule('"auto" or a number in [0, 1]',
+                   'pass alpha="auto" to solve MEMO\'s LP, or a fraction such as 0.5',
+                   low=0, high=1, finite=True, env_must='"auto" or a float in [0, 1]'),
+    "host_bandwidth": _measured("a number of bytes/s > 0"),
+    "host_memory": _measured("a number of bytes >= 0", low_open=False),
+    "layer_time": _measured("a number of seconds > 0"),
+    "resident_layers": _Rule("an integer >= 0",
+                             "pass resident_layers=2 (MEMO's default) or another count of layers",
+                             low=0),
+    "solver_time_limit": _SECONDS,
+    "dump_dir": _Rule("a path or None", 'pass e.g. dump_dir="out/"'),
+    "disable_passes": _Rule("a list of pass names", 'pass e.g. disable_passes=["attention_2d"]'),
+    "inductor_options": _Rule("a dict of Inductor config names to values",
+                              'pass e.g. inductor_options={"max_autotune": True}'),
+    "token_local_ops": _Rule('a list of op names "namespace::name"',
+                             'pass e.g. token_local_ops=["liger::rms_norm"]',
+                             valid=lambda ops: all("::" in op for op in ops)),
+    "rank_check_timeout": _SECONDS,
+    "lm_head_chunk": _Rule('"auto" or a number of tokens >= 1',
+                           'pass lm_head_chunk="auto" or e.g. lm_head_chunk=1024', low=1,
+                           env_must='"auto" or an integer >= 1'),
+}
+# a refusal needs words: only a Literal's or a bool's type can give them
+assert all(key in _RULES or hint is bool or typing.get_origin(hint) is Literal
+           for key, hint in _TYPES.items()), "a LoongConfig field without a rule in _RULES"
 
 
 def _known_key(key: str, source: str) -> str:
-    if key not in _FIELDS:
-        valid = ", ".join(_FIELDS)
+    if key not in _TYPES:
+        valid = ", ".join(_TYPES)
         raise LoongConfigError(f"unknown {source} {key!r}", f"valid keys are {valid}",
                                f"remove {key!r} or correct its spelling")
     return key
@@ -140,120 +201,96 @@ def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
     return values
 
 
+def _members(hint: Any) -> tuple:
+    """The types a union annotation joins (the annotation alone otherwise)."""
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+
+
 def _coerce(key: str, value: Any, from_env: bool = False) -> Any:
     """Turn environment strings and lists into the field's type; leave other values to _check."""
-    if key in ("disable_passes", "token_local_ops"):
+    hint = _TYPES[key]
+    if typing.get_origin(hint) is tuple:
         if isinstance(value, str):
             value = [v for v in value.replace(",", " ").split() if v]
         if isinstance(value, (list, tuple, set, frozenset)):
             return tuple(value)
         return value
-    if not from_env:
-        return value
-    if key in ("hp", "cp", "inner_ring"):
-        return _parse(key, value, int, "an integer >= 1")
-    if key == "lm_head_chunk":
-        return value if value == "auto" else _parse(key, value, int, '"auto" or an integer >= 1')
-    if key == "resident_layers":
-        return _parse(key, value, int, "an integer >= 0")
-    if key in _MEASURED:
-        return value if value == "auto" else _parse(key, value, float, f'"auto" or {_MEASURED[key]}')
-    if key in ("solver_time_limit", "rank_check_timeout"):
-        return _parse(key, value, float, "a number of seconds > 0")
-    if key == "alpha":
-        return value if value == "auto" else _parse(key, value, float, '"auto" or a float in [0, 1]')
-    if key in ("memory_plan", "allow_graphs_without_attention"):
-        lowered = value.strip().lower()
+    return _read_env(key, value, hint) if from_env else value
+
+
+def _read_env(key: str, raw: str, hint: Any) -> Any:
+    """A ``LOONG_*`` variable's string as the field's type: a Literal's own words as they are,
+    then a bool, a number, a JSON object or an optional path."""
+    members, name = _members(hint), f"{ENV_PREFIX}{key.upper()}"
+    if any(typing.get_origin(m) is Literal and raw in typing.get_args(m) for m in members):
+        return raw
+    if bool in members:
+        lowered = raw.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
-        raise LoongConfigError(f"{ENV_PREFIX}{key.upper()}={value!r}", "expected a boolean",
+        raise LoongConfigError(f"{name}={raw!r}", "expected a boolean",
                                "use 1/0, true/false, yes/no or on/off")
-    if key == "dump_dir":
-        return value or None
-    if key == "inductor_options":
+    for kind in (int, float):
+        if kind in members:
+            rule = _RULES[key]
+            expected = rule.env_must or rule.must
+            try:
+                return kind(raw)
+            except ValueError:
+                raise LoongConfigError(f"{name}={raw!r}", f"{key} must be {expected}",
+                                       f"set {name} to {expected}") from None
+    if typing.get_origin(hint) is Mapping:
         try:
-            return json.loads(value)
+            return json.loads(raw)
         except ValueError:
-            raise LoongConfigError(f"{ENV_PREFIX}{key.upper()}={value!r}", "expected a JSON object",
-                                   f"set e.g. {ENV_PREFIX}{key.upper()}='{{\"max_autotune\": true}}'") from None
-    return value
+            raise LoongConfigError(f"{name}={raw!r}", "expected a JSON object",
+                                   f"set e.g. {name}='{{\"max_autotune\": true}}'") from None
+    if type(None) in members:
+        return raw or None
+    return raw
 
 
-def _parse(key: str, raw: str, kind: type, expected: str) -> Any:
-    try:
-        return kind(raw)
-    except ValueError:
-        raise LoongConfigError(f"{ENV_PREFIX}{key.upper()}={raw!r}", f"{key} must be {expected}",
-                               f"set {ENV_PREFIX}{key.upper()} to {expected}") from None
+def _of_type(value: Any, hint: Any) -> bool:
+    """Whether value has the annotation's type (a bool is no number here)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return value in args
+    if origin in (typing.Union, types.UnionType):
+        return any(_of_type(value, member) for member in args)
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_of_type(item, args[0]) for item in value)
+    if isinstance(value, bool) and hint is not bool:
+        return False
+    return isinstance(value, (int, float) if hint is float else origin or hint)
 
 
-# Quantities MEMO's LP needs: "auto" (measured at compile time) or a number, with its rule.
-_MEASURED = {"host_bandwidth": "a number of bytes/s > 0", "host_memory": "a number of bytes >= 0",
-             "layer_time": "a number of seconds > 0"}
+def _in_range(value: Any, rule: _Rule) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return True
+    if rule.finite and not math.isfinite(value):
+        return False
+    return not (value < rule.low or value > rule.high or (rule.low_open and value == rule.low))
 
 
-def _check(key: str, value: Any) -> None:
-    def bad(rule: str, fix: str) -> LoongConfigError:
-        return LoongConfigError(f"{key}={value!r}", rule, fix)
-
-    if key in ("hp", "cp", "inner_ring"):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise bad(f"{key} must be an integer >= 1", f"pass {key}=1 or a larger integer")
-    elif key in ("placement", "activations", "lowering"):
-        choices = {"placement": PLACEMENTS, "activations": ACTIVATION_POLICIES,
-                   "lowering": LOWERINGS}[key]
-        if value not in choices:
-            raise bad(f"{key} must be one of {', '.join(choices)}",
-                      f"pass {key}={choices[0]!r} or another listed value")
-    elif key == "alpha":
-        if value == "auto":
-            return
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise bad('alpha must be "auto" or a number in [0, 1]',
-                      'pass alpha="auto" to solve MEMO\'s LP, or a fraction such as 0.5')
-    elif key in _MEASURED:
-        if value == "auto":
-            return
-        low_ok = key == "host_memory"
-        if (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
-                or (value == 0 and not low_ok) or value != value or value == float("inf")):
-            raise bad(f'{key} must be "auto" or {_MEASURED[key]}',
-                      f'pass {key}="auto" to measure it, or a finite number')
-    elif key == "lm_head_chunk":
-        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise bad('lm_head_chunk must be "auto" or a number of tokens >= 1',
-                      'pass lm_head_chunk="auto" or e.g. lm_head_chunk=1024')
-    elif key == "resident_layers":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise bad("resident_layers must be an integer >= 0",
-                      "pass resident_layers=2 (MEMO's default) or another count of layers")
-    elif key == "inductor_options":
-        if not isinstance(value, Mapping):
-            raise bad("inductor_options must be a dict of Inductor config names to values",
-                      'pass e.g. inductor_options={"max_autotune": True}')
+def _check(key: str, value: Any, hint: Any) -> None:
+    rule = _RULES.get(key, _Rule())
+    if not (_of_type(value, hint) and _in_range(value, rule) and rule.valid(value)):
+        if rule.must:
+            must, fix = rule.must, rule.fix.replace("{key}", key)
+        elif hint is bool:
+            must, fix = "True or False", f"pass {key}=True or {key}=False"
+        else:
+            choices = typing.get_args(hint)
+            must, fix = f"one of {', '.join(choices)}", f"pass {key}={choices[0]!r} or another listed value"
+        raise LoongConfigError(f"{key}={value!r}", f"{key} must be {must}", fix)
+    if key == "inductor_options":
         # torch only here: the estimator and the CLI import this module without it
         from loong_compile._compat.inductor import inductor_option_names
 
         unknown = sorted(set(value) - inductor_option_names())
         if unknown:
-            raise bad(f"{', '.join(map(repr, unknown))} is not an Inductor config name "
-                      "(torch._inductor.list_options())", "remove it or correct its spelling")
-    elif key in ("memory_plan", "allow_graphs_without_attention"):
-        if not isinstance(value, bool):
-            raise bad(f"{key} must be True or False", f"pass {key}=True or {key}=False")
-    elif key in ("solver_time_limit", "rank_check_timeout"):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise bad(f"{key} must be a positive number of seconds", f"pass e.g. {key}=10")
-    elif key == "dump_dir":
-        if value is not None and not isinstance(value, (str, os.PathLike)):
-            raise bad("dump_dir must be a path or None", 'pass e.g. dump_dir="out/"')
-    elif key == "disable_passes":
-        if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
-            raise bad("disable_passes must be a list of pass names",
-                      'pass e.g. disable_passes=["attention_2d"]')
-    elif key == "token_local_ops":
-        if not isinstance(value, tuple) or not all(isinstance(v, str) and "::" in v for v in value):
-            raise bad('token_local_ops must be a list of op names "namespace::name"',
-                      'pass e.g. token_local_ops=["liger::rms_norm"]')
+            raise LoongConfigError(
+                f"{key}={value!r}", f"{', '.join(map(repr, unknown))} is not an Inductor config "
+                "name (torch._inductor.list_options())", "remove it or correct its spelling")

@@ -68,7 +68,9 @@ def reset_process_state() -> None:
     from loong_compile import backend
     from loong_compile._compat.dynamo import drop_installed_globals
     from loong_compile.checks import ranks
-    from loong_compile.ops import comm, kernels, step_mask
+    from loong_compile.ops import comm
+    from loong_compile.ops.attention import kernels
+    from loong_compile.ops.masks import step as step_mask
     from loong_compile.parallel import mesh
 
     torch.compiler.reset()

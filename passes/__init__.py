@@ -5,8 +5,8 @@ stage of the pipeline, in the order they run:
 subpackage             stage(s)                    what it does
 =====================  ==========================  =====================================
 ``attention``          dynamo                      attention calls -> 2D-Attention
-``scans``              dynamo                      short convolutions, gated DeltaNet ->
-                                                   exact ops across ranks
+``scans``              dynamo                      short convolutions, gated DeltaNet,
+                                                   Mamba-2 -> exact ops across ranks
 ``safety``             dynamo                      nothing else mixes a rank's tokens
 ``loss``               dynamo                      the LM head and its loss, token-chunked
 ``activations``        joint, split                checkpoint / offload / token-slice
@@ -16,8 +16,10 @@ subpackage             stage(s)                    what it does
 ``memory_plan``        inductor                    static offsets of Inductor's buffers
 =====================  ==========================  =====================================
 
-``base`` holds the stages and the pass contract; ``fx_util`` and ``subgraphs`` the FX facts
-the stages share.  Each pass class declares the facts it ``requires``, ``provides`` and
+``base`` holds the stages, the pass contract and the facts several stage folders name; ``fx``
+the FX facts the stages share (node readers, op-name sets, walks, module paths, emitting
+calls).  A stage folder imports from these and from ``loong_compile``, never from another
+stage folder.  Each pass class declares the facts it ``requires``, ``provides`` and
 ``uses`` (checked when the backend assembles the pipeline); each subpackage's docstring says
 what its stage needs from earlier ones and leaves for later ones.
 """
@@ -40,7 +42,7 @@ def library_passes() -> list:
     from loong_compile.passes.attention.made_positions import MadePositionsPass
     from loong_compile.passes.loss.lm_head import LMHeadLossPass
     from loong_compile.passes.loss.sequence_loss import SequenceLossPass
-    from loong_compile.passes.memory_plan import MemoryPlanPass
+    from loong_compile.passes.memory_plan.plan_pass import MemoryPlanPass
     from loong_compile.passes.safety.token_locality import TokenLocalityPass
     from loong_compile.passes.scans.causal_conv import CausalConvPass
     from loong_compile.passes.scans.gated_delta import GatedDeltaPass

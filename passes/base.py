@@ -21,10 +21,10 @@ post_grad  Inductor's post-grad ``torch.fx.Graph``      inductor
 schedule   ``ScheduleRequest``: Inductor's scheduler   inductor
            nodes of one graph, before fusion; passes
            set their order and ordering-only holds
-inductor   ``_compat.inductor_pools.PoolRequest``: one compiled       inductor
-           graph's intermediate buffers, their live
-           ranges and the bytes held beside them,
-           inside Inductor's wrapper codegen
+inductor   ``memory_plan.request.PoolRequest``: one    inductor
+           compiled graph's intermediate buffers,
+           their live ranges and the bytes held
+           beside them, in Inductor's wrapper codegen
 =========  ==========================================  =========================
 
 Contracts: each pass class declares ``requires`` and ``provides``, tuples of named *facts*
@@ -32,8 +32,8 @@ Contracts: each pass class declares ``requires`` and ``provides``, tuples of nam
 before it).
 A fact is something one pass establishes for later ones: a value it leaves in
 ``PassContext.state`` under the fact's name (a constant the providing pass's module owns,
-e.g. ``activations.ACTIVATION_PLAN``), or a property of the graph it rewrote (e.g.
-``attention_2d.ATTENTION_SITES``: every attention call is the 2D-Attention op).  When the
+e.g. ``activations.ACTIVATION_PLAN``; this module's when passes of several stage folders name
+it, e.g. ``ATTENTION_SITES``), or a property of the graph it rewrote.  When the
 backend assembles the pipeline (after ``disable_passes`` and each pass's ``enabled(config)``)
 it checks the schedule: every fact an enabled pass requires must be provided by an enabled
 pass running before it (an earlier stage, or earlier in the list at the same stage);
@@ -53,6 +53,13 @@ from loong_compile.config import LoongConfig
 from loong_compile.errors import LoongConfigError
 
 STAGES = ("dynamo", "joint", "split", "post_grad", "schedule", "inductor")
+
+# The facts of the rewrites that combine tokens across ranks.  Each names the graph's property
+# (every attention call is 2D-Attention; the scans' matched calls are their exact ops) and
+# leaves in ``PassContext.state`` the ops its rewrites emit (``add_exact_mixers``), which the
+# token analysis lets combine a rank's tokens (``exact_mixers``).
+ATTENTION_SITES = "attention_sites"
+SCAN_SITES = "scan_sites"
 
 
 @dataclasses.dataclass
@@ -122,6 +129,17 @@ class PassContext:
     state: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Facts one pass leaves for a later one of the same compile (e.g. the activation plan),
     keyed by the fact's name (a constant owned by the providing pass)."""
+
+
+def add_exact_mixers(ctx: PassContext, fact: str, ops: Sequence[Any]) -> None:
+    """Leave ``ops`` under ``fact``: ops a rewrite emits that combine a rank's tokens with the
+    other ranks' exactly."""
+    ctx.state[fact] = ctx.state.get(fact, frozenset()) | frozenset(ops)
+
+
+def exact_mixers(ctx: PassContext) -> frozenset:
+    """The ops the rewrites that ran so far declared exact (``add_exact_mixers``)."""
+    return frozenset().union(*(ctx.state.get(fact, ()) for fact in (ATTENTION_SITES, SCAN_SITES)))
 
 
 class GraphPass(Protocol):

@@ -1,7 +1,8 @@
-"""Helpers shared by the test modules (imported by conftest.py; test modules import them from
-here, never from each other): the tiny Llama builder, one single-process training step through
+"""Helpers shared by the test modules (test modules import them from here, never from each
+other or from conftest.py): the tiny Llama builder, one single-process training step through
 a ``LoongBackend`` with a probe pass, the gradient-equality assertion, the multi-rank
-section harness, the masked-attention reference and attention with transformers' own masks.
+section harness and the errors a test reads, the masked-attention reference and attention
+with transformers' own masks, and where the stand-in kernels live.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import copy
 import math
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +21,8 @@ from loong_compile import LoongBackend
 from loong_compile.passes import library_passes
 
 VOCAB = 256
+# CPU stand-ins of the CUDA kernels (flash-attn), importable once a test puts this on sys.path
+STAND_INS = Path(__file__).resolve().parent / "stand_ins"
 
 
 def tiny_llama(hf: bool = False, layers: int = 2, heads: int = 4, kv_heads: int = 2, ffn: int = 128,
@@ -222,6 +226,26 @@ def loong_error_in(exc: BaseException | None):
     return None
 
 
+def error_of(fn) -> str:
+    """``"ErrorClass: message"`` of what fn raised (unwrapping Dynamo's BackendCompilerFailed),
+    or "no error"."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        inner = getattr(e, "inner_exception", e)
+        return f"{type(inner).__name__}: {inner}"
+    return "no error"
+
+
+def still_in_step() -> bool:
+    """An all_reduce over the world: it returns only if no rank was left inside a collective."""
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item() == dist.get_world_size()
+
+
 def allowed_pairs(document_ids: torch.Tensor, is_causal: bool, window: int | None,
                   positions: torch.Tensor | None = None) -> torch.Tensor:
     """``(B, S, S)`` bool: query i may see key j (issue 13's rule, from first principles);
@@ -288,7 +312,7 @@ def hf_masked_attention(make: str, window: int | None = None, chunk: int | None 
 
 
 def sequential_recurrence(q, k, v, g, beta=None) -> torch.Tensor:
-    """The gated recurrence token by token (ops/gated_scan.py's docstring), in the inputs' dtype:
+    """The gated recurrence token by token (ops/scans/gated_scan.py's docstring), in the inputs' dtype:
     ``q``, ``k`` ``(B, H, T, dk)``, ``v`` ``(B, H, T, dv)``, ``g`` (log-decay) and ``beta`` (the
     delta rule's rate, or None: no delta rule) ``(B, H, T)`` -> ``(B, H, T, dv)``."""
     state, out = q.new_zeros(*q.shape[:2], q.size(-1), v.size(-1)), []

@@ -254,7 +254,7 @@ def _gemma2(attn, window):
 
 
 def _lfm2(attn, window):
-    # a short causal convolution (kernel 4: ops/causal_conv.py across ranks) in the first layer,
+    # a short causal convolution (kernel 4: ops/scans/causal_conv.py across ranks) in the first layer,
     # attention in the second
     from transformers import Lfm2Config, Lfm2ForCausalLM
     return Lfm2ForCausalLM(Lfm2Config(

@@ -32,7 +32,7 @@ def test_torchrun_hf_llama_trains_and_dumps_the_rewrite(tmp_path):
     for rank in range(4):
         graph_dir = dump / f"rank{rank}" / "graph0"
         rewritten = next(graph_dir.glob("*_dynamo_after.py")).read_text()
-        assert rewritten.count("loong_compile_ops_attention_attention_2d(") == 2
+        assert rewritten.count("loong_compile_ops_attention_attention_2d_attention_2d(") == 2
         assert "= torch._C._nn.scaled_dot_product_attention(" not in rewritten  # no SDPA left
         report = json.loads((graph_dir / "report.json").read_text())
         (attention,) = [p for p in report["passes"] if p["name"] == "attention_2d"]

@@ -136,7 +136,8 @@ def test_calls_at_once_run_on_ranks_of_their_own_and_fail_alone():
 
 
 def _one_trust_cell(rank, world):
-    from trust_matrix import Case, run_case
+    from trust_cases import Case
+    from trust_run import run_case
 
     return run_case(rank, world, 1, 2, Case("llama"))[0]
 

@@ -5,7 +5,7 @@ ranks (LFM2's short convolution, Qwen3-Next's and Qwen3.5's convolution and gate
 not yet (Falcon-H1's Mamba-2 mixer: refused whatever the habit).
 
 The cells run a dozen per ``run_distributed`` call on the session's kept ranks, two calls at a
-time (``trust_matrix.run_matrix``), while this process computes the references; a call that
+time (``trust_run.run_matrix``), while this process computes the references; a call that
 crashes or hangs is run again a cell per call, so that the failing cell fails alone, named by
 its case and its ranks, within its own timeout.
 
@@ -23,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from hf_models import ARCHITECTURES
-from trust_matrix import (
-    WINDOW_SHARD, WINDOW_SHORT, Case, all_cases, judge, reference, relative_error, run_matrix,
-    tolerance, warm_references)
+from trust_cases import WINDOW_SHARD, WINDOW_SHORT, Case, all_cases
+from trust_reference import judge, reference, relative_error, tolerance, warm_references
+from trust_run import run_matrix
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
 

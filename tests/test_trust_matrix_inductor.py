@@ -63,8 +63,10 @@ import pytest
 
 from helpers import BUDGET
 from loong_compile.testing import run_each
-from trust_matrix import (INDUCTOR_TOLERANCE, WINDOW_SHARD, Case, reference, relative_error, run_case,
-                          tolerance, warm_references)
+from trust_cases import WINDOW_SHARD, Case
+from trust_reference import (INDUCTOR_TOLERANCE, reference, relative_error, tolerance,
+                             warm_references)
+from trust_run import run_case
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
 
@@ -90,9 +92,9 @@ POLICY_CASES = {
 # documents in shard_batch's balanced order (issue 24) with a window shorter than a rank's share:
 # the mask compares positions in the document, under every policy
 BALANCED = Case("mistral", window=WINDOW_SHARD, habit="packed_balanced_use_cache_false")
-# the scans across ranks under every policy: a short convolution (LFM2: ops/causal_conv.py),
-# Qwen3-Next's convolution and gated DeltaNet recurrence (ops/gated_scan.py), and Falcon-H1's
-# Mamba-2 scan beside attention in every layer (ops/gated_scan.py::mamba2_scan)
+# the scans across ranks under every policy: a short convolution (LFM2: ops/scans/causal_conv.py),
+# Qwen3-Next's convolution and gated DeltaNet recurrence (ops/scans/gated_scan.py), and Falcon-H1's
+# Mamba-2 scan beside attention in every layer (ops/scans/gated_scan.py::mamba2_scan)
 SCANS = [Case("lfm2"), Case("qwen3_next"), Case("falcon_h1")]
 for cases in POLICY_CASES.values():
     cases += [BALANCED, *SCANS]

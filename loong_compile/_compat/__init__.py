@@ -18,7 +18,7 @@ This package holds shims only, one module per torch subsystem:
 ``kernels``         the aten flash-attention kernels that return the log-sum-exp, op tags,
                     autograd inside an op body
 ``inductor``        ``compile_fx``, the hook classes Inductor hashes, scheduler nodes, its code
-``inductor_pools``  what Inductor's wrapper shows a memory planner (request types)
+``inductor_pools``  what Inductor's wrapper shows a memory planner, as plain data
 ``pool_planner``    Inductor's memory planner with our offsets
 ``trace``           structured trace logging (tlparse)
 ==================  ===================================================================

@@ -1,9 +1,10 @@
-"""What Inductor's wrapper shows the memory planner (private Inductor APIs, see _compat).
+"""What Inductor's wrapper shows the memory planner, as plain data (private Inductor APIs, see _compat).
 
-The request types (``PoolBuffer``, ``PoolRequest``) and the replay of the
-wrapper's allocation lines that gives the background bytes, the volatile steps
-and the pools Inductor's own heuristic would make.  The planner class that
-answers with offsets lives in ``loong_compile._compat.pool_planner``.
+Capability ``inductor_pool_planning``.  The wrapper's allocation lines become events
+(``wrapper_events``) that ``loong_compile.passes.memory_plan.background`` replays into the
+bytes held at each step; the inputs a graph may free, its buffers' origins, and the pools
+Inductor's own heuristic would make are read here too.  The planner class that answers with
+offsets lives in ``loong_compile._compat.pool_planner``.
 
 How our offsets reach Inductor (checked against torch 2.13):
 * ``config.memory_planning=True`` makes the wrapper codegen pass its
@@ -21,91 +22,17 @@ How our offsets reach Inductor (checked against torch 2.13):
   exists, and replaces ``run_wrapper_ir_passes`` on that one wrapper object.
 * Our ``MemoryPlanner`` subclass keeps Inductor's handling of graph outputs
   (each its own pool: a normal allocation, freed with the output) and hands
-  the intermediates of each device to the planner callback, with the bytes
-  everything else holds at each step (the "background": outputs, buffers
-  extern kernels allocate themselves, saved activations and gradients the
-  backward frees, or keeps if the caller holds them: two scenarios) and the
-  steps whose kernels may allocate memory no line shows (fallback kernels
-  and custom ops: their temporaries).  The callback puts each intermediate
-  in one of its pools at an offset, or on its own (its own pool: a normal
-  allocation), or declines; a decline gives the whole graph Inductor's
-  default allocation (no pools at all).
+  the intermediates of each device to the planner callback, with what decides
+  the bytes everything else holds at each step (the "background": outputs,
+  buffers extern kernels allocate themselves, saved activations and gradients
+  the backward frees) and the steps whose kernels may allocate memory no line
+  shows (fallback kernels and custom ops: their temporaries).  The callback
+  puts each intermediate in one of its pools at an offset, or on its own (its
+  own pool: a normal allocation), or declines; a decline gives the whole graph
+  Inductor's default allocation (no pools at all).
 """
 
 from __future__ import annotations
-
-import torch
-
-
-class PoolBuffer:
-    """One Inductor ``BufferGroup`` of intermediates, as the planner sees it."""
-
-    __slots__ = ("names", "size", "start", "end", "origins")
-
-    def __init__(self, names, size, start, end, origins):
-        self.names = names        # the group's buffer names (in-place reuses share a group)
-        self.size = size          # bytes (Inductor's size hint)
-        self.start = start        # half-open live range [start, end) in planning steps
-        self.end = end
-        self.origins = origins    # [(fx node name, [nn.Module paths outer->inner])] in graph order
-
-    def __repr__(self):
-        return f"PoolBuffer({self.names}, {self.size} B, [{self.start}, {self.end}))"
-
-
-class PoolRequest:
-    """What one graph's pool planning hands to the planner callback (per device).
-
-    ``backgrounds[s][t]``: bytes held at step ``t`` (``0 <= t < steps``) by
-    everything the planner does not place: graph outputs, buffers extern
-    kernels allocate, and the inputs the graph frees (saved activations,
-    incoming gradients) until it frees them (scenario 0: the usual case,
-    ``loss.backward()``) or to the end (scenario 1, present when the graph
-    frees inputs: the caller keeps them, e.g. ``retain_graph=True`` or
-    gradients the caller holds).  Parameters and the forward's inputs are
-    left out: the caller keeps them, whatever the plan.  ``volatile[t]``: a
-    kernel of step ``t`` may allocate memory the wrapper does not show (a
-    fallback kernel or custom op, whose temporaries nobody can size), so a
-    pool must not hold unused bytes there.  ``outputs`` and
-    ``inductor_pools`` are ``(bytes, start, end)`` triples: the outputs' own
-    allocations, and the pools Inductor's own heuristic would create (outputs'
-    pools included).  ``dynamic`` names why
-    the graph cannot be planned statically (symbolic or unbacked sizes), or is
-    None.  The callback answers with ``placement``: per buffer ``(pool,
-    offset)`` or ``None`` (allocated on its own), or leaves it None to decline.
-    """
-
-    __slots__ = ("graph_name", "graph_kind", "device", "buffers", "steps", "backgrounds",
-                 "volatile", "outputs", "inductor_pools", "dynamic", "placement")
-
-    def __init__(self, graph_name, graph_kind, device, buffers, steps, backgrounds, volatile,
-                 outputs, inductor_pools, dynamic=None):
-        self.graph_name = graph_name            # AOTAutograd's name, e.g. "0_backward"
-        self.graph_kind = graph_kind            # "forward", "backward" or "inference"
-        self.device = device
-        self.buffers = buffers                  # list[PoolBuffer]: the intermediates
-        self.steps = steps
-        self.backgrounds = backgrounds
-        self.volatile = volatile
-        self.outputs = outputs
-        self.inductor_pools = inductor_pools
-        self.dynamic = dynamic
-        self.placement = None
-
-    def __str__(self):
-        """A readable dump (the ``inductor`` stage's "graph"): one line per buffer."""
-        head = (f"# {self.graph_name} ({self.graph_kind}) on {self.device}: "
-                f"{len(self.buffers)} intermediates, {len(self.outputs)} outputs, "
-                f"{self.steps} steps" + (f"; dynamic: {self.dynamic}" if self.dynamic else ""))
-        lines = [head, "# name            bytes  [start, end)  placement"]
-        placement = self.placement or [None] * len(self.buffers)
-        for b, where in zip(self.buffers, placement):
-            at = ("own allocation" if where is None else f"pool {where[0]} + {where[1]}"
-                  ) if self.placement is not None else "-"
-            lines.append(f"{b.names[0]:<12} {b.size:>12}  [{b.start}, {b.end})  {at}")
-        return "\n".join(lines) + "\n"
-
-
 
 
 def module_paths(fx_node) -> list[str]:
@@ -142,98 +69,65 @@ def _flat_buffers(outputs) -> list:
     return out
 
 
-def background_bytes(lines, groups, caller_keeps_inputs: bool) -> tuple[list[int], list[bool]]:
-    """Bytes held at each step (``0 .. last step``) by all but the ``groups``' storage,
-    and whether a kernel of the step is an extern kernel that allocates its outputs.
+def freeable_inputs() -> list[tuple[str, int]]:
+    """The graph's inputs it may free, with their bytes: saved activations AOTAutograd
+    donates and incoming gradients ``tangents_*``.  Other inputs (parameters, the
+    forward's inputs) stay alive in the caller."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
 
-    Replays the wrapper lines (already converted to pool lines, steps numbered
-    as ``MemoryPlanner.compute_live_ranges`` does) tracking which names keep
-    which storage alive: outputs from their allocation on; the inputs a
-    backward may free (saved activations AOTAutograd donates, incoming
-    gradients ``tangents_*``) until their last name is deleted, or for ever if
-    ``caller_keeps_inputs``; storage that extern kernels allocate themselves
-    (fallback ops, multi-output ops) until their last name, tuple element or
-    alias is deleted.  Each step's value is
-    the most held at a kernel of that step (memory peaks while kernels run).
-    Such extern kernels (fallback ops, custom ops) may also allocate temporaries
-    that no line shows: their steps are flagged volatile.
+    out = []
+    for name, value in V.graph.graph_inputs.items():
+        buffer = getattr(getattr(value, "data", None), "data", None)
+        if isinstance(buffer, ir.DonatedBuffer) or name.startswith("tangents"):
+            out.append((name, _storage_bytes(buffer)))
+    return out
+
+
+def wrapper_events(lines, planned: set[str]) -> list[tuple]:
+    """The wrapper lines (already converted to pool lines, steps numbered as
+    ``MemoryPlanner.compute_live_ranges`` does) as the events that change which names hold
+    storage the planner does not place (``planned``: the names it places).
+
+    Allocation lines (a run of them is one step): ``("alloc", name, bytes)``,
+    ``("reuse", old, new, delete_old)``, ``("alias", old, new)``, ``("release", name)``, or
+    ``("plan",)`` for one that changes none of that storage.  Kernel lines:
+    ``("free", name)``; ``("extern", name, [(element or None, bytes), ...])`` for an extern
+    kernel that allocates its outputs (a multi-output one names each element); ``("element",
+    name)`` where a multi-output's element is taken; ``("kernel",)`` for any other.
     """
     from torch._inductor import ir
     from torch._inductor.codegen import memory_planning as mp
     from torch._inductor.codegen import wrapper as w
-    from torch._inductor.virtualized import V
 
-    planned = {name for g in groups for name in g.names}
-    size: dict[int, int] = {}
-    refs: dict[int, int] = {}
-    held: dict[str, list[int]] = {}
-    pending: dict[str, int] = {}          # multi-output element name -> its storage
-    live = 0
-
-    def new(name, nbytes):
-        nonlocal live
-        sid = len(size)
-        size[sid], refs[sid] = nbytes, 0
-        live += nbytes
-        hold(name, [sid])
-        return sid
-
-    def hold(name, sids):
-        for sid in sids:
-            refs[sid] += 1
-        held.setdefault(name, []).extend(sids)
-
-    def drop(name):
-        nonlocal live
-        for sid in held.pop(name, ()):
-            refs[sid] -= 1
-            if refs[sid] == 0:
-                live -= size[sid]
-
-    for name, value in V.graph.graph_inputs.items():
-        buffer = getattr(getattr(value, "data", None), "data", None)
-        # Other inputs (parameters, the forward's inputs) stay alive in the caller.
-        if isinstance(buffer, ir.DonatedBuffer) or name.startswith("tangents"):
-            sid = new(name, _storage_bytes(buffer))
-            if caller_keeps_inputs:
-                refs[sid] += 1  # the caller's own reference: never released
-    background, volatile = [live], [False]
-    in_run = False
+    events: list[tuple] = []
     for line in lines:
         if isinstance(line, w.MemoryPlanningLine):
-            if not in_run:  # a new step: its value is taken at its kernels
-                background.append(0)
-                volatile.append(False)
-                in_run = True
             if isinstance(line, mp.AllocFromPoolLine) and line.group.names[0] not in planned:
-                new(line.group.names[0], line.group.allocation.size_hint)
-            elif isinstance(line, w.ReuseLine) and line.node.get_name() in held:
-                old, new_name = line.node.get_name(), line.reused_as.get_name()
-                hold(new_name, held[old])
-                if line.delete_old:
-                    drop(old)
-            elif isinstance(line, w.ReinterpretLine) and line.node.get_name() in held:
-                hold(line.reused_as.get_name(), held[line.node.get_name()])
+                events.append(("alloc", line.group.names[0], line.group.allocation.size_hint))
+            elif isinstance(line, w.ReuseLine):
+                events.append(("reuse", line.node.get_name(), line.reused_as.get_name(),
+                               line.delete_old))
+            elif isinstance(line, w.ReinterpretLine):
+                events.append(("alias", line.node.get_name(), line.reused_as.get_name()))
             elif isinstance(line, w.FreeIfNotReusedLine) and line.node.get_name() not in planned:
-                drop(line.node.get_name())
-            continue
-        in_run = False
-        background[-1] = max(background[-1], live)   # the state kernels of this step start in
-        if isinstance(line, w.FreeLine):
-            drop(line.node.get_name())
+                events.append(("release", line.node.get_name()))
+            else:
+                events.append(("plan",))
+        elif isinstance(line, w.FreeLine):
+            events.append(("free", line.node.get_name()))
         elif isinstance(line, w.ExternKernelAllocLine):
-            volatile[-1] = True
             node = line.node
             if isinstance(node.layout, ir.MultiOutputLayout):
-                for element in _flat_buffers(node.outputs):
-                    pending[element.get_name()] = new(node.get_name(), _storage_bytes(element))
+                parts = [(e.get_name(), _storage_bytes(e)) for e in _flat_buffers(node.outputs)]
             else:
-                new(node.get_name(), _storage_bytes(node))
-        elif isinstance(line, w.MultiOutputLine) and line.result_name in pending:
-            hold(line.result_name, [pending.pop(line.result_name)])
-        background[-1] = max(background[-1], live)
-    background[-1] = max(background[-1], live)
-    return background, volatile
+                parts = [(None, _storage_bytes(node))]
+            events.append(("extern", node.get_name(), parts))
+        elif isinstance(line, w.MultiOutputLine):
+            events.append(("element", line.result_name))
+        else:
+            events.append(("kernel",))
+    return events
 
 
 def inductor_own_pools(allocations, output_allocations) -> list[tuple[int, int, int]]:

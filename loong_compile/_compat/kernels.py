@@ -1,4 +1,4 @@
-"""PyTorch's flash-attention kernels (ops/kernels.py): the only aten ops that return the
+"""PyTorch's flash-attention kernels (ops/attention/kernels.py): the only aten ops that return the
 log-sum-exp that ring attention merges on; and the custom-op tags of ops/.  Checked: torch 2.13
 (the CPU kernel takes float64/float32/bfloat16 and fewer KV heads than Q heads)."""
 
@@ -54,7 +54,7 @@ def cudagraph_unsafe_tags() -> tuple:
 @contextlib.contextmanager
 def autograd_in_op_body():
     """Autograd recording inside a custom op's body, where the dispatcher has turned it off:
-    flex_attention's backward is only reachable through autograd (ops/flex.py)."""
+    flex_attention's backward is only reachable through autograd (ops/attention/flex.py)."""
     keys = torch._C.DispatchKey
     exclude = torch._C._dispatch_tls_local_exclude_set()
     for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):

@@ -1,8 +1,9 @@
 """Inductor's memory planner with our offsets: the ``MemoryPlanner`` subclass, its
 installation on one graph's wrapper and the config patches that scope it to one compile.
 
-Private Inductor APIs (capability ``inductor_pool_planning``; the request types are in
-``inductor_pools``).
+Private Inductor APIs (capability ``inductor_pool_planning``; what the planner is shown is
+read in ``inductor_pools``).  The callback gets plain data and answers with plain data
+(the memory-plan pass builds its request from them).
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ from loong_compile import _compat
 from loong_compile._compat.aot import aot_graph_kind
 from loong_compile._compat.inductor import KeyedHook, scheduler_pass_base
 from loong_compile._compat.inductor_pools import (
-    PoolBuffer,
-    PoolRequest,
-    background_bytes,
+    freeable_inputs,
     graph_positions,
     inductor_own_pools,
     module_paths,
+    wrapper_events,
 )
 
 
@@ -30,7 +30,7 @@ def _origins(node) -> list:
 
 
 class _Declined(Exception):
-    """The planner callback declined a graph: it gets Inductor's default allocation."""
+    """The callback declined a graph: it gets Inductor's default allocation."""
 
 
 @functools.cache
@@ -64,16 +64,16 @@ def _pool_planner_class():
             return self
 
     class LoongMemoryPlanner(mp.MemoryPlanner):
-        """Inductor's pool planner with the intermediates placed by ``planner(request)``."""
+        """Inductor's pool planner with the intermediates placed by ``place(**graph)``."""
 
-        def __init__(self, wrapper, planner, is_inference):
+        def __init__(self, wrapper, place, is_inference):
             super().__init__(wrapper)
-            self.planner, self.is_inference = planner, is_inference
+            self.place_graph, self.is_inference = place, is_inference
             self.lines = []
 
         def compute_live_ranges(self, lines):
             super().compute_live_ranges(lines)
-            self.lines = lines  # converted to pool lines: the background replays them
+            self.lines = lines  # converted to pool lines: the background replays their events
 
         def allocate_groups(self):
             for group in self.buffer_groups:
@@ -85,14 +85,14 @@ def _pool_planner_class():
             alone = [g.allocation for g in self.buffer_groups
                      if not g.is_output and g not in intermediates]
             placements = []
-            for request, allocations in self.requests(intermediates, outputs):
-                self.planner(request)
-                if request.placement is None:
-                    raise _Declined(request.graph_name)
-                if len(request.placement) != len(allocations):
-                    raise RuntimeError(f"memory planner placed {len(request.placement)} of "
+            for graph, allocations in self.graphs(intermediates, outputs):
+                placement = self.place_graph(**graph)
+                if placement is None:
+                    raise _Declined(graph["graph_name"])
+                if len(placement) != len(allocations):
+                    raise RuntimeError(f"memory planner placed {len(placement)} of "
                                        f"{len(allocations)} buffers")
-                placements.append((allocations, request.placement))
+                placements.append((allocations, placement))
             for block in sorted(outputs, key=lambda x: (x.size_hint, -len(x.live_range))):
                 self.pools.allocate_output(block)
             for allocations, placement in placements:
@@ -103,15 +103,11 @@ def _pool_planner_class():
                     mp.AllocationPool(block.device, mp.TemporalSplit([block]), can_expand=False))
             self.pools.finalize()
 
-        def requests(self, intermediates, outputs):
-            """One ``PoolRequest`` per device (an empty one for a graph without
+        def graphs(self, intermediates, outputs):
+            """What the callback gets, per device (an empty graph for one without
             intermediates, so that the planner reports on it), with its allocations."""
-            backgrounds = []
-            for caller_keeps_inputs in (False, True):
-                background, volatile = background_bytes(self.lines, intermediates,
-                                                         caller_keeps_inputs)
-                if background not in backgrounds:
-                    backgrounds.append(background)
+            inputs = freeable_inputs()
+            events = wrapper_events(self.lines, {name for g in intermediates for name in g.names})
             every = [g.allocation for g in self.buffer_groups]
             dynamic = None
             if not all(isinstance(a.symbolic_size, (int, sympy.Integer)) for a in every):
@@ -126,15 +122,14 @@ def _pool_planner_class():
                 groups = [g for g in intermediates if g.allocation.device == device]
                 allocations = [g.allocation for g in groups]
                 device_outputs = [a for a in outputs if a.device == device]
-                yield PoolRequest(
+                yield dict(
                     graph_name=name, graph_kind=kind, device=str(device),
-                    buffers=[PoolBuffer(list(g.names), int(g.allocation.size_hint),
-                                        int(g.live_range.begin), int(g.live_range.end),
-                                        sorted(((o.name, module_paths(o))
-                                                for o in _origins(g.node)),
-                                               key=lambda o: positions.get(o[0], -1)))
+                    buffers=[(list(g.names), int(g.allocation.size_hint),
+                              int(g.live_range.begin), int(g.live_range.end),
+                              sorted(((o.name, module_paths(o)) for o in _origins(g.node)),
+                                     key=lambda o: positions.get(o[0], -1)))
                              for g in groups],
-                    steps=len(background), backgrounds=backgrounds, volatile=volatile,
+                    inputs=inputs, events=events,
                     outputs=[(int(a.size_hint), int(a.live_range.begin), int(a.live_range.end))
                              for a in device_outputs],
                     inductor_pools=inductor_own_pools(allocations, device_outputs),
@@ -165,16 +160,22 @@ def _pool_planner_class():
     return LoongMemoryPlanner
 
 
-def pool_planning_patches(planner, cache_key: str) -> dict:
-    """Inductor config patches that place every graph's intermediates with ``planner``.
+def placement_patches(place, cache_key: str) -> dict:
+    """Inductor config patches that place every graph's intermediates with ``place``.
 
-    ``planner(request: PoolRequest)`` sets ``request.placement`` (one
-    ``(pool, offset)`` or ``None`` per ``request.buffers`` entry: a verified
-    plan, offsets aligned to Inductor's 64 bytes) or leaves it None to give the
-    graph Inductor's default allocation.  Applies to training and inference
-    graphs alike; graph inputs and outputs keep their normal allocation.
-    Hand the dict to ``compile_fx(config_patches=...)``.  Without the
-    ``inductor_pool_planning`` capability: no patches, and a warning.
+    ``place(**graph)`` gets one graph's intermediates on one device as plain data:
+    ``graph_name`` (AOTAutograd's, e.g. "0_backward"), ``graph_kind`` ("forward",
+    "backward" or "inference"), ``device``, ``buffers`` (per ``BufferGroup``: its names,
+    bytes, live range ``start, end`` in planning steps, and origins: ``(fx node name,
+    nn.Module paths)`` in graph order), ``inputs`` (``freeable_inputs``), ``events``
+    (``wrapper_events``), ``outputs`` and ``inductor_pools`` (``(bytes, start, end)``: the
+    outputs' own allocations, the pools Inductor's heuristic would make) and ``dynamic``
+    (why sizes are not static, or None).  It returns one ``(pool, offset)`` or ``None`` per
+    buffer (a verified plan, offsets aligned to Inductor's 64 bytes), or None to give the
+    graph Inductor's default allocation.  Applies to training and inference graphs alike;
+    graph inputs and outputs keep their normal allocation.  Hand the dict to
+    ``compile_fx(config_patches=...)``.  Without the ``inductor_pool_planning`` capability:
+    no patches, and a warning.
     """
     if not _compat.has("inductor_pool_planning"):
         _compat.warn_degraded("inductor_pool_planning")
@@ -182,12 +183,12 @@ def pool_planning_patches(planner, cache_key: str) -> dict:
     return {
         "memory_planning": True,
         "memory_pool": "intermediates",
-        "_post_fusion_custom_pass": PoolPlanningHook(planner, cache_key),
+        "_post_fusion_custom_pass": PoolPlanningHook(place, cache_key),
     }
 
 
-def install_pool_planning(wrapper, planner) -> None:
-    """Make this one wrapper run pool planning with ``planner``, training graphs included.
+def install_pool_planning(wrapper, place) -> None:
+    """Make this one wrapper run pool planning with ``place``, training graphs included.
 
     Refuses (``LoongUnsupportedError``) a wrapper it cannot hook, e.g. the C++
     wrapper (``cpp_wrapper=True``) or a torch whose Python wrapper changed:
@@ -216,7 +217,7 @@ def install_pool_planning(wrapper, planner) -> None:
         # Pool planning edits ReuseLines in place: keep what a decline must restore.
         reuse = [(line, line.delete_old) for line in self.lines if isinstance(line, ReuseLine)]
         try:
-            self.lines = planner_class(self, planner, is_inference).plan(self.lines)
+            self.lines = planner_class(self, place, is_inference).plan(self.lines)
         except _Declined:
             for line, delete_old in reuse:
                 line.delete_old = delete_old

@@ -21,7 +21,6 @@ from loong_compile.estimate import lm_head
 from loong_compile.parallel.rules import ESTIMATED_POLICIES
 
 POLICIES = ESTIMATED_POLICIES
-CATEGORIES = ("input", "attention", "other")   # MEMO's classes, as the passes name them
 
 # --- symbols: the paper's Table 1, then the extensions ----------------------------------
 h, a, k, f, L, v = sp.symbols("h a k h_ffn L v", positive=True, integer=True)

@@ -3,10 +3,10 @@
 Torch-free.  Documents are taken all of one length ``L`` (the mean: packed
 rows of equal documents), windows of ``w`` tokens (transformers' convention)
 on the layers the model marks local.  Query-key pairs per sequence (the
-FLOPs) and, for the masked direct exchange of ``ops/masked.py``, the KV chunks
+FLOPs) and, for the masked direct exchange of ``ops/attention/masked.py``, the KV chunks
 the busiest CP rank serves, over the ``2·(cp-1)`` chunks the Double-Ring sends.
 ``tests/estimate/test_estimate_masking.py`` checks both against the runtime's plan
-(``ops/mask_plan.py``) on synthetic layouts.
+(``ops/masks/blocks.py``) on synthetic layouts.
 """
 
 from __future__ import annotations

@@ -17,12 +17,13 @@ import sympy as sp
 
 from loong_compile.errors import LoongConfigError
 from loong_compile.estimate.equations import (
-    ALLTOALL_HELD_BYTES, CATEGORIES, KV_CHUNK_BYTES, LOCAL_TOKENS, POLICIES, SYMBOLS, Term, _bytes,
+    ALLTOALL_HELD_BYTES, KV_CHUNK_BYTES, LOCAL_TOKENS, POLICIES, SYMBOLS, Term, _bytes,
     all_terms, alpha, counted_tensors, n_ring_buffers, stored_tensors,
 )
 from loong_compile.estimate.lm_head import chunk_tokens
 from loong_compile.estimate.models import ModelSpec
-from loong_compile.parallel.rules import Violation, head_violation, inner_ring_violation, sequence_violation
+from loong_compile.parallel.rules import (
+    CATEGORIES, Violation, head_violation, inner_ring_violation, sequence_violation)
 
 GIB = 2 ** 30
 

@@ -13,7 +13,7 @@ def _pyplot():
         import matplotlib
     except ImportError:
         raise LoongConfigError("--plot needs matplotlib, which is not installed", None,
-                               "pip install matplotlib (or loong-compile[plot])") from None
+                               "pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

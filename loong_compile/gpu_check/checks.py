@@ -22,7 +22,7 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 def _kernel_adapters() -> list[str]:
     """The CUDA adapters to check: PyTorch's flash kernel, and flash-attn when it is usable."""
-    from loong_compile.ops import kernels
+    from loong_compile.ops.attention import kernels
 
     return ["aten_flash_cuda"] + (["flash_attn"] if kernels._flash_attn_usable() else [])
 
@@ -32,7 +32,7 @@ def _with_adapter(name: str):
     which are what the ring calls: the layout contract is checked too)."""
     from unittest import mock
 
-    from loong_compile.ops import kernels
+    from loong_compile.ops.attention import kernels
 
     return mock.patch.object(kernels, "_flash_attn_usable", lambda: name == "flash_attn")
 
@@ -48,7 +48,7 @@ def _ring_blocks(q, k, v):
 
 def check_kernels(figures: dict) -> str:
     """Kernel adapters against SDPA (float64 reference), bf16 and fp16, forward and backward."""
-    from loong_compile.ops import kernels
+    from loong_compile.ops.attention import kernels
 
     device = require_cuda()
     gen = torch.Generator(device).manual_seed(0)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from loong_compile.parallel.tokens import local_token_indices
 from loong_compile.parallel.rules import ring_position
-from loong_compile.ops import ring
+from loong_compile.ops.attention import ring
 
 _current = threading.local()   # .rank and .fabric of the thread's simulated CP rank
 

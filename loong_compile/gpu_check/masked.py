@@ -1,4 +1,4 @@
-"""gpu-check's masked attention: flex_attention's blocks (ops/flex.py) on one GPU.
+"""gpu-check's masked attention: flex_attention's blocks (ops/attention/flex.py) on one GPU.
 
 Exactness: bf16 forward and backward of ``attention_2d`` with packed documents and padding,
 and with a sliding window, against a float64 dense reference.  Scale: fwd+bwd time and peak
@@ -52,7 +52,7 @@ def _reference(q, k, v, dout, ids, window):
 
 def _flex_calls():
     """A context counting the masked blocks that ran on flex, forward and backward."""
-    from loong_compile.ops import kernels
+    from loong_compile.ops.attention import kernels
 
     calls = {"forward": 0, "backward": 0}
 

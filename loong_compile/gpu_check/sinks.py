@@ -22,7 +22,7 @@ def _run(q, k, v, sinks, dout, window):
 
 
 def _reference(q, k, v, sinks, dout, window):
-    from loong_compile.ops.sinks import sdpa_with_sinks
+    from loong_compile.ops.attention.sinks import sdpa_with_sinks
 
     q, k, v, sinks, dout = (t.double().detach().requires_grad_() for t in (q, k, v, sinks, dout))
     seq, groups = q.size(2), q.size(1) // k.size(1)

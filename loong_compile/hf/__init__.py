@@ -15,7 +15,7 @@ checkpoints are those of one process training with ``dp`` replicas (docs/usage.m
 * ``batches``: a collated batch cut into a rank's tokens;
 * ``trainer``: the Trainer methods it replaces, and why.
 
-Needs the ``hf`` extra: ``pip install loong_compile[hf]``.
+Needs the ``hf`` extra: ``pip install ".[hf]"`` in a clone of this repository.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Ring and masked-exchange bytes are counted in ``Exchange`` / ``DirectExchange``, which
 run inside the custom ops' eager implementations, so they count real traffic also when
 the ops sit in a compiled graph.  The SeqAlltoAll and the scans' all-gather are functional
-collectives (ops/alltoall.py, ops/scan_exchange.py): their bytes are counted when they run
+collectives (ops/attention/alltoall.py, ops/scans/exchange.py): their bytes are counted when they run
 eagerly; in a compiled graph Inductor runs them, and the generated code, not this counter,
 shows them.
 """
@@ -19,7 +19,7 @@ _BYTES = {"all_to_all": 0, "p2p": 0, "all_gather": 0}
 
 def comm_counters() -> dict[str, int]:
     """Bytes this rank has sent to other ranks since the last reset: ``all_to_all``, ``p2p`` and
-    ``all_gather`` (the scans' exchange, ops/scan_exchange.py: its payload to each other rank)."""
+    ``all_gather`` (the scans' exchange, ops/scans/exchange.py: its payload to each other rank)."""
     return dict(_BYTES)
 
 

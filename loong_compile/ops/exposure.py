@@ -2,7 +2,7 @@
 
 What the compute stream spends blocked is what overlap failed to hide: a ``loong.wait_tensor``
 whose copy is still in flight, or a functional collective's ``wait_tensor`` (the SeqAlltoAll,
-ops/alltoall.py) whose exchange is.  Inside ``recording()``, each such wait records a timing
+ops/attention/alltoall.py) whose exchange is.  Inside ``recording()``, each such wait records a timing
 event on the current CUDA stream before and after it blocks; ``per_layer`` turns the pairs
 into milliseconds per layer and kind.  An offload or reload wait knows its layer from
 ``passes/activations/offload.py``.  A collective's wait does not: Inductor's code calls torch's op, which

@@ -14,7 +14,7 @@ The pads are tokens of their document, at its end (positions continuing it, labe
 under a causal mask no real token sees them, so the real tokens' outputs and losses are what
 one process computes on the row without them.  The room for them comes from the row's right
 padding (``attention_mask`` 0); what is left over becomes one more document of filler.
-``sequence_document_ids`` recognises the order from the positions alone (ops/documents.py).
+``sequence_document_ids`` recognises the order from the positions alone (ops/masks/documents.py).
 """
 
 from __future__ import annotations

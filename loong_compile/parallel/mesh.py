@@ -12,7 +12,7 @@ checked against ``layout``'s rules and the world size.
   KV travels on the ``kv_inner`` / ``kv_outer`` groups; the gradients dK/dV
   have their own ``dkv_inner`` group and a ``dkv_outer`` group spanning the
   CP group (their last hop of an inner ring goes to ``(i+1, j+1)``, see
-  ops/ring.py), so backward traffic never queues behind KV on one communicator.
+  ops/attention/ring.py), so backward traffic never queues behind KV on one communicator.
 
 Every ring group is created with its ranks in ring order, so a rank's position
 in the ring is its rank in the group.
@@ -126,8 +126,8 @@ class LoongMesh:
                 "hp_group": self.group_names["hp"], "cp_group": self.group_names["dkv_outer"]}
 
     def scan_kwargs(self, heads_split: bool = False) -> dict[str, object]:
-        """Keyword arguments of the ops of token mixers with a state (``ops/causal_conv.py``,
-        ``ops/gated_scan.py``): over the ranks of the sequence, each holding its tokens as the
+        """Keyword arguments of the ops of token mixers with a state (``ops/scans/causal_conv.py``,
+        ``ops/scans/gated_scan.py``): over the ranks of the sequence, each holding its tokens as the
         layout gives them, or (``heads_split``: after the head all-to-all) over the CP group,
         each rank holding its whole CP shard.  ``places``: each group rank's (cp rank, hp rank);
         ``group_rank``: this rank's in the group."""

@@ -1,9 +1,10 @@
 """Layout facts of 2D-Attention, in one torch-free place: the named choices (placements,
 activation policies), which sizes fit together (sequence, heads, inner ring) and where a mesh
-coordinate sits (rank of a coordinate, ring position of a CP rank).
+coordinate sits (rank of a coordinate, ring position of a CP rank); MEMO's categories of saved
+values.
 
 The backend (``config.py``, ``parallel/mesh.py``, ``parallel/tokens.py``, ``ops/``) and the estimator
-(``estimate/``, ``cli.py``) both read these, so ``loong plan`` refuses exactly what the
+(``estimate/``, ``cli/parser.py``) both read these, so ``loong plan`` refuses exactly what the
 backend refuses.  A rule returns a ``Violation`` (value, rule, fix) or None; each caller raises
 it as its own ``LoongError`` subclass (a config, mesh or shape error) or keeps it as the reason
 a planned configuration was pruned.
@@ -30,6 +31,9 @@ ACTIVATION_POLICY_DOCS = {
 # The estimator also models ``full`` (only layer inputs saved, every layer recomputed), which
 # the backend does not run.
 ESTIMATED_POLICIES = (*ACTIVATION_POLICIES, "full")
+# MEMO's classes of a layer's saved values, as the activation passes report them and the
+# estimator counts them: the layer's input, the attention's outputs (out, lse), the rest
+CATEGORIES = ("input", "attention", "other")
 
 
 class Violation(NamedTuple):

@@ -5,7 +5,6 @@
 ``dump_dir`` set, each stage's graph code and the report are written to
 ``<dump_dir>/rank<r>/graph<g>/``; graphs are also emitted as structured-trace
 artifacts, so ``TORCH_TRACE`` + tlparse show them beside Inductor's own.
-``draw_plan`` pictures a memory plan (``memory_plan=True``) as a PNG.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from typing import Any
 import torch.fx
 
 from loong_compile._compat.trace import trace_artifact
-from loong_compile.planner.draw import draw_plan  # noqa: F401 - re-exported
 
 
 @dataclasses.dataclass

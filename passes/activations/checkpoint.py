@@ -26,7 +26,9 @@ from typing import Any
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from loong_compile.passes.fx_util import getitem_users, is_attention, is_random, tangent_dependent
+from loong_compile.passes.fx.aten_ops import is_attention, is_random
+from loong_compile.passes.fx.nodes import getitem_users
+from loong_compile.passes.fx.walks import tangent_dependent
 from loong_compile.passes.activations.layers import find_layers
 from loong_compile.passes.base import Pass
 

@@ -18,8 +18,8 @@ final norm, RoPE tables) and ``graph_input`` (parameters and user inputs, owned 
 Emits: nothing in the graphs.  The summary gives count and exact bytes per layer and
 category; under ``memo`` also the LP's inputs and the chosen alpha.  The classification is
 left in ``ctx.state[ACTIVATION_PLAN]`` (an ``ActivationPlan``) for ``recompute`` and
-``offload``.  The graph facts those passes share live beside it: ``fx_util`` (attention ops,
-views, bytes, FLOPs), ``layers`` (layer discovery) and ``saved_values`` (``SavedValues``).
+``offload``.  The graph facts those passes share: ``passes/fx`` (attention ops, views, bytes,
+FLOPs) and, beside it, ``layers`` (layer discovery) and ``saved_values`` (``SavedValues``).
 """
 
 from __future__ import annotations
@@ -32,15 +32,16 @@ import torch.fx
 
 from loong_compile._compat.aot import real_tensors
 from loong_compile.estimate import alpha as alpha_lp
+from loong_compile.parallel.rules import CATEGORIES
 from loong_compile.passes.activations.measure import (
     agree_min, available_host_memory, measure_host_bandwidth, measure_matmul_rate,
 )
 from loong_compile.passes.base import Pass, PassContext, SplitGraphs
-from loong_compile.passes.fx_util import base_of, getitem_users, nbytes, node_flops
+from loong_compile.passes.fx.aten_ops import node_flops
+from loong_compile.passes.fx.nodes import getitem_users
+from loong_compile.passes.fx.storage import base_of, nbytes
 from loong_compile.passes.activations.layers import Layers, find_layers
 from loong_compile.passes.activations.saved_values import SavedValues
-
-CATEGORIES = ("input", "attention", "other")
 
 # The fact this pass provides: the ``ActivationPlan`` of the graphs, in ``ctx.state``.
 ACTIVATION_PLAN = "activation_plan"

@@ -11,7 +11,8 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
-from loong_compile.passes.fx_util import attention_ops, is_attention, layer_of_paths
+from loong_compile.passes.fx.aten_ops import attention_ops, is_attention
+from loong_compile.passes.fx.module_paths import layer_of_paths
 
 
 def layer_name(node: torch.fx.Node) -> str | None:

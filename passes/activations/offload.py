@@ -47,9 +47,12 @@ import torch
 import torch.fx
 
 from loong_compile.ops.offload import OFFLOAD, RELOAD, WAIT
-from loong_compile.passes.activations.classify import CATEGORIES, ActivationPlan, FollowsActivationPlan
-from loong_compile.passes.fx_util import (base_of, first_in_order, insert_call, is_view, last_in_order, nbytes,
-                                         node_flops)
+from loong_compile.parallel.rules import CATEGORIES
+from loong_compile.passes.activations.classify import ActivationPlan, FollowsActivationPlan
+from loong_compile.passes.fx.aten_ops import node_flops
+from loong_compile.passes.fx.emit import insert_call
+from loong_compile.passes.fx.storage import base_of, is_view, nbytes
+from loong_compile.passes.fx.walks import first_in_order, last_in_order
 from loong_compile.passes.activations.layers import layer_name
 from loong_compile.passes.activations.recompute import RECOMPUTED_LAYERS
 from loong_compile.passes.activations.saved_values import SavedValues

@@ -35,12 +35,13 @@ import torch.fx
 
 from loong_compile.passes.activations.classify import ActivationPlan, FollowsActivationPlan
 from loong_compile.passes.base import PassContext, SplitGraphs
-from loong_compile.passes.fx_util import (
-    ancestors, base_of, first_in_order, getitem_users, insert_call, is_collective, is_layout_op, is_random, nbytes,
-    node_flops, set_meta,
-)
+from loong_compile.passes.fx.aten_ops import is_collective, is_random, node_flops
+from loong_compile.passes.fx.emit import insert_call, set_meta
+from loong_compile.passes.fx.nodes import getitem_users
+from loong_compile.passes.fx.storage import base_of, is_layout_op, nbytes
+from loong_compile.passes.fx.walks import ancestors, first_in_order
 from loong_compile.passes.activations.saved_values import SavedValues
-from loong_compile.passes.safety.token_rules import Step, TokenDim, analyse, is_tensor, shape_of
+from loong_compile.passes.activations.token_rules import Step, TokenDim, analyse, is_tensor, shape_of
 
 aten = torch.ops.aten
 Node = torch.fx.Node

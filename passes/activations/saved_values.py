@@ -9,7 +9,8 @@ import torch
 import torch.fx
 
 from loong_compile.passes.base import SplitGraphs
-from loong_compile.passes.fx_util import base_of, first_in_order, view_path
+from loong_compile.passes.fx.storage import base_of, view_path
+from loong_compile.passes.fx.walks import first_in_order
 
 
 class SavedValues:

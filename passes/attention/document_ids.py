@@ -7,7 +7,7 @@ ranks' position ids and key padding per step).  The graph gets at most one such 
 of ids, after its inputs, whatever the number of attention calls; calls inside
 higher-order-op bodies (activation checkpointing) receive the ids as an added operand.
 
-The plan (ops/step_mask.py) is made once per (ids, causal, window) from those ids, so no
+The plan (ops/masks/step.py) is made once per (ids, causal, window) from those ids, so no
 per-layer call reads device data on the host: the attention pass hands every masked call the
 plan's handle.
 
@@ -27,9 +27,9 @@ import torch
 import torch.fx
 
 from loong_compile.ops import sequence_document_ids
-from loong_compile.ops.documents import chunked_document_ids
+from loong_compile.ops.masks.documents import chunked_document_ids
 from loong_compile.passes.attention.mask_proof import PADDING, POSITIONS, MaskMeaning, MaskNotProven
-from loong_compile.passes.subgraphs import Scope, add_operand, parent_of
+from loong_compile.passes.fx.subgraphs import Scope, add_operand, parent_of
 
 
 class DocumentIds:

@@ -20,7 +20,7 @@ value; the trust matrix's eager cells are judged at float32's tolerance).
 
 Attention sinks (gpt-oss): one logit per head joined to the scores as a last column
 (``cat([scores, sinks], -1)``, the row's max subtracted, the column dropped after the softmax)
-become ``ops.sinks.sdpa_with_sinks(q, k, v, sinks, attn_mask=, scale=)``, which
+become ``ops.attention.sinks.sdpa_with_sinks(q, k, v, sinks, attn_mask=, scale=)``, which
 ``attention_2d`` distributes with its ``sinks=``.
 
 A chain that has the shape of attention (a softmax over the last axis of ``q @ kᵀ``) but any
@@ -53,20 +53,21 @@ import torch.fx
 import torch.nn.functional as F
 
 from loong_compile.errors import LoongUnsupportedError
-from loong_compile.ops.sinks import sdpa_with_sinks
+from loong_compile.ops.attention.sinks import sdpa_with_sinks
 from loong_compile.passes.base import PassContext, ShardedPass
-from loong_compile.passes.fx_util import (
-    autocast_dtypes, insert_dynamo_call, module_path, source_line)
-from loong_compile.passes.safety.token_ops import example_value, node_arg, op_name
-from loong_compile.passes.subgraphs import Scope, add_operand, graph_scopes, parent_of
+from loong_compile.passes.fx.autocast import autocast_dtypes
+from loong_compile.passes.fx.emit import insert_dynamo_call
+from loong_compile.passes.fx.module_paths import module_path, source_line
+from loong_compile.passes.fx.nodes import example_value, node_arg, op_name
+from loong_compile.passes.fx.op_sets import DTYPE_CASTS
+from loong_compile.passes.fx.subgraphs import Scope, add_operand, graph_scopes, parent_of
 
-CASTS = {"to", "float", "double", "half", "bfloat16", "type"}
 SCALES = {"mul": False, "imul": False, "truediv": True, "itruediv": True, "div": True}
 ADDS = {"add", "iadd"}
 # what a step between q @ k^T and the softmax that SDPA cannot express is, for the refusal
 UNSUPPORTED = {"tanh": "a softcapped score (tanh: e.g. Gemma 2's attn_logit_softcapping)"}
 # the ops a score passes through on its way to the softmax (others end the search: not attention)
-SCORE_OPS = CASTS | set(SCALES) | ADDS | {"masked_fill", "cat", "sub"} | set(UNSUPPORTED)
+SCORE_OPS = DTYPE_CASTS | set(SCALES) | ADDS | {"masked_fill", "cat", "sub"} | set(UNSUPPORTED)
 HEAD_BROADCASTS = {"expand", "reshape", "view", "unsqueeze"}
 # a masked score: its exponential is 0 in every float dtype (float64's smallest is e^-745)
 MASKED_OUT = -1e4
@@ -189,7 +190,7 @@ def _read_score_step(chain: _Chain, step: torch.fx.Node, path: list[torch.fx.Nod
     operands = step.args[0] if name == "cat" else step.args
     scores = next(a for a in operands if a in path)
     others = [a for a in operands if a is not scores]
-    if name in CASTS:
+    if name in DTYPE_CASTS:
         chain.casts.append(f"{name} before the softmax")
     elif name in SCALES and len(others) == 1 and (step.args[0] is scores or not SCALES[name]):
         factor = _number(others[0])
@@ -297,7 +298,7 @@ def _read_probabilities(chain: _Chain) -> None:
                     "do not return the attention weights (output_attentions=False)")
         (user,) = users
         name = op_name(user)
-        if name in CASTS and user.args[0] is node:
+        if name in DTYPE_CASTS and user.args[0] is node:
             chain.casts.append(f"{name} after the softmax")
         elif name == "dropout":
             p, training = node_arg(user, "p", 1, 0.5), node_arg(user, "training", 2, True)
@@ -321,7 +322,7 @@ def _read_probabilities(chain: _Chain) -> None:
 
 def _uncast(chain: _Chain, tensor: Any, dtype: torch.dtype) -> Any:
     """``tensor`` before a cast of it to another dtype than v's (GPT-J's float32 q and k)."""
-    while (isinstance(tensor, torch.fx.Node) and op_name(tensor) in CASTS
+    while (isinstance(tensor, torch.fx.Node) and op_name(tensor) in DTYPE_CASTS
            and example_value(tensor).dtype != dtype
            and example_value(tensor.args[0]).dtype == dtype):
         chain.casts.append(f"{op_name(tensor)} of {tensor.args[0].name}")

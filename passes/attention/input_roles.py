@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from loong_compile._compat.dynamo import is_module_state
 from loong_compile.passes.attention.mask_proof import (
     PADDING, POSITIONS, MaskMeaning, MaskNotProven, MaskSubgraph)
-from loong_compile.passes.subgraphs import Scope
+from loong_compile.passes.fx.op_sets import ANGLES
+from loong_compile.passes.fx.subgraphs import Scope
 
 # The fact the attention pass provides: {graph input index: how it was found to be positions}.
 POSITION_INPUTS = "position_inputs"
@@ -48,8 +49,6 @@ BALANCED_EXACT = "balanced_documents_exact"
 ROPE, DOCUMENTS, KEY_PADDING = "RoPE's angle", "the masks' documents", "the masks' key padding"
 ROLE_NAMES = {POSITIONS: "position_ids", PADDING: "the 2-D attention_mask"}
 
-# an angle: the operand of these (call_function or call_method names) holding it
-_ANGLES = {"cos": 0, "sin": 0, "polar": 1}
 # the operands that only index a value: (call_function or call_method name) -> positions
 _INDEX_OPERANDS = {"gather": (2,), "index_select": (2,), "take": (1,), "take_along_dim": (1,)}
 _INDEX_KWARGS = ("index", "indices")
@@ -203,9 +202,9 @@ def _name(node: torch.fx.Node) -> str:
 
 
 def _angle(node: torch.fx.Node) -> torch.fx.Node | None:
-    if node.op not in ("call_function", "call_method") or _name(node) not in _ANGLES:
+    if node.op not in ("call_function", "call_method") or _name(node) not in ANGLES:
         return None
-    place = _ANGLES[_name(node)]
+    place = ANGLES[_name(node)]
     operand = node.args[place] if len(node.args) > place else None
     return operand if isinstance(operand, torch.fx.Node) else None
 

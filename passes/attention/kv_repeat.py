@@ -1,4 +1,5 @@
-"""Recognise key/value heads repeated for grouped-query attention, to undo the repeat.
+"""Recognise key/value heads repeated for grouped-query attention, to undo the repeat; the shape,
+heads and head dim of a (B, H, S, D) value.
 
 SDPA callers often repeat each KV head ``n`` times before the call (Hugging Face's ``repeat_kv``,
 ``repeat_interleave``); 2D-Attention takes the un-repeated KV with ``enable_gqa`` and carries
@@ -13,16 +14,29 @@ from typing import Any
 import torch
 import torch.fx
 
+from loong_compile.passes.fx.nodes import example_value
+
 
 def shape(node: Any) -> tuple | None:
     """A node's static shape from its fake value, or None."""
-    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    value = example_value(node)
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
 def rank(node: Any) -> int | None:
     found = shape(node)
     return None if found is None else len(found)
+
+
+def heads(node: Any) -> int | None:
+    """The heads of a (B, H, S, D) tensor."""
+    found = shape(node)
+    return None if found is None else int(found[1])
+
+
+def head_dim(node: Any) -> int:
+    found = shape(node)
+    return int(found[-1]) if found else 1
 
 
 def unrepeated_kv(node: Any) -> torch.fx.Node | None:

@@ -47,14 +47,14 @@ import torch.fx
 
 from loong_compile.ops.sequence import layout_positions
 from loong_compile.passes.base import PassContext, ShardedPass
-from loong_compile.passes.fx_util import insert_dynamo_call, source_line
-from loong_compile.passes.safety.token_locality import local_token_count
-from loong_compile.passes.safety.token_ops import (
-    counts_tokens, example_value, is_weight, node_arg, op_name)
+from loong_compile.passes.fx.emit import insert_dynamo_call
+from loong_compile.passes.fx.module_paths import source_line
+from loong_compile.passes.fx.nodes import example_value, is_weight, node_arg, op_name
+from loong_compile.passes.fx.op_sets import ANGLES, DTYPE_CASTS
+from loong_compile.passes.fx.tokens import counts_tokens, local_token_count
 
 # The fact: {"inputs": graph input indices of the token data} when positions were made.
 MADE_POSITIONS = "made_positions"
-ANGLES = {"cos", "sin", "polar"}
 LOOKUPS = {"embedding", "getitem", "index_select"}
 
 
@@ -149,8 +149,7 @@ def _to_float(node: torch.fx.Node) -> bool:
     """A cast of the values to a floating dtype: a number computed from the position (an index
     stays an integer)."""
     value = example_value(node)
-    return (op_name(node) in ("float", "double", "half", "bfloat16", "to", "type")
-            and isinstance(value, torch.Tensor) and value.is_floating_point())
+    return (op_name(node) in DTYPE_CASTS and isinstance(value, torch.Tensor) and value.is_floating_point())
 
 
 def _looks_up_weight(node: torch.fx.Node, index: torch.fx.Node) -> bool:

@@ -42,8 +42,8 @@ import torch
 import torch.fx
 
 from loong_compile._compat.aot import real_tensors
-from loong_compile.passes.fx_util import ancestors
-from loong_compile.passes.subgraphs import hop_name
+from loong_compile.passes.fx.walks import ancestors
+from loong_compile.passes.fx.subgraphs import hop_name
 
 POSITIONS, PADDING = "position_ids", "attention_mask"
 
@@ -312,7 +312,7 @@ class MaskSubgraph:
         return [(chunk[b % len(chunk)], mask[b, 0]) for b in range(mask.shape[0])]
 
     def _run(self, node: torch.fx.Node, env: dict) -> Any:
-        order, todo = [], [node]
+        todo = [node]
         while todo:  # depth first, inputs before users
             n = todo[-1]
             if n in env:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from loong_compile._compat.dynamo import dynamo_frame_self, frame_root
-from loong_compile.passes.fx_util import module_path_parts
+from loong_compile.passes.fx.module_paths import module_path_parts
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 

@@ -41,14 +41,18 @@ from loong_compile._compat.aot import size_hint
 from loong_compile.estimate.lm_head import chunk_tokens, kept_bytes, working_bytes
 from loong_compile.ops.lm_head import lm_head_loss
 from loong_compile.passes.base import Pass, PassContext
-from loong_compile.passes.fx_util import autocast_dtypes, module_path, source_line
-from loong_compile.passes.safety.token_ops import example_value, node_arg, op_name
+from loong_compile.passes.fx.autocast import autocast_dtypes
+from loong_compile.passes.fx.emit import copy_source_meta
+from loong_compile.passes.fx.module_paths import module_path, source_line
+from loong_compile.passes.fx.nodes import example_value, node_arg, op_name
+from loong_compile.passes.fx.op_sets import DTYPE_CASTS, HALF_CASTS, PROJECTIONS, VIEWS
 
 GIB = 2 ** 30
-LINEARS = {"linear"}
-MATMULS = {"matmul", "mm"}
-VIEWS = {"view", "reshape", "flatten", "contiguous"}
-CASTS = {"float", "double", "to", "type"}
+# What may stand between the projection and the loss besides scalings and tanh: views (checked
+# to keep the vocabulary axis last) and casts; not a cast to a 16-bit float by name, which the
+# chunked op would not repeat (it computes in float32 at least: ops/lm_head.py)
+LOGIT_VIEWS = VIEWS | {"contiguous"}
+LOGIT_CASTS = DTYPE_CASTS - HALF_CASTS
 SCALES = {"mul", "truediv", "div"}
 TANH = {"tanh"}
 LOSS_PARAMS = {  # name -> (position, default) of F.cross_entropy / F.nll_loss
@@ -129,7 +133,7 @@ def _match(loss: torch.fx.Node, autocast: set[torch.fx.Node]) -> Head:
                          "class labels")
     chain, transforms, node = [], [], x
     if loss.target is F.nll_loss:  # views and casts, then the log_softmax nll_loss reads
-        while isinstance(node, torch.fx.Node) and op_name(node) in VIEWS | CASTS:
+        while isinstance(node, torch.fx.Node) and op_name(node) in LOGIT_VIEWS | LOGIT_CASTS:
             chain.append(node)
             node = _step_back(node, transforms)
         chain.append(node)
@@ -167,7 +171,7 @@ def _is_projection(node: Any) -> bool:
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return False
     name = op_name(node)
-    return name in LINEARS or name in MATMULS or node.target is operator.matmul
+    return name in PROJECTIONS or node.target is operator.matmul
 
 
 def _step_back(node: Any, transforms: list) -> torch.fx.Node:
@@ -177,12 +181,12 @@ def _step_back(node: Any, transforms: list) -> torch.fx.Node:
         raise NotChunked(f"the logits come from {getattr(node, 'name', node)!r}, not a projection")
     name, value = op_name(node), example_value(node)
     source = node.args[0] if node.args else None
-    if name in VIEWS:
+    if name in LOGIT_VIEWS:
         before = example_value(source)
         if not (isinstance(before, torch.Tensor) and before.shape[-1] == value.shape[-1]):
             raise NotChunked(f"{node.name} ({name}) moves the vocabulary axis")
         return source
-    if name in CASTS:
+    if name in LOGIT_CASTS:
         if not value.is_floating_point() or value.device != example_value(source).device:
             raise NotChunked(f"{node.name} ({name}) is not a cast between float dtypes")
         return source
@@ -222,7 +226,7 @@ def _canonical(transforms: list) -> tuple[float, bool, float]:
 def _projection_operands(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, Any]:
     """(hidden, weight (V, h), bias or None) of the projection."""
     hidden = node.args[0]
-    if op_name(node) in LINEARS:
+    if op_name(node) == "linear":
         weight, bias = node_arg(node, "weight", 1, None), node_arg(node, "bias", 2, None)
     else:
         right, bias = node.args[1], None
@@ -273,9 +277,7 @@ def _rewrite(graph: torch.fx.Graph, head: Head, setting: int | str) -> dict[str,
     with graph.inserting_before(head.loss):
         new = graph.call_function(lm_head_loss, (head.hidden, head.weight, head.bias, head.labels),
                                   kwargs)
-    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-        if key in head.projection.meta:
-            new.meta[key] = head.projection.meta[key]
+    copy_source_meta(head.projection, new)
     new.meta["example_value"] = _fake(new)
     head.loss.replace_all_uses_with(new)
     for node in [head.loss, *reversed(head.chain)]:
@@ -348,7 +350,8 @@ def _reaches_output(node: torch.fx.Node) -> bool:
         for user in n.users:
             if user.op == "output":
                 return True
-            if user not in seen and op_name(user) in VIEWS | CASTS | SCALES | TANH | {"getitem"}:
+            if user not in seen and op_name(user) in (LOGIT_VIEWS | LOGIT_CASTS | SCALES | TANH
+                                                      | {"getitem"}):
                 seen.add(user)
                 todo.append(user)
     return False

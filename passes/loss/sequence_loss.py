@@ -50,10 +50,11 @@ import torch.fx
 
 from loong_compile.ops.sequence import next_token_labels, sequence_label_count
 from loong_compile.passes.base import PassContext, ShardedPass
-from loong_compile.passes.fx_util import insert_dynamo_call, source_line
-from loong_compile.passes.safety.token_locality import local_token_count
-from loong_compile.passes.safety.token_ops import (
-    LOSSES, counts_tokens, example_value, node_arg, op_name)
+from loong_compile.passes.fx.emit import insert_dynamo_call
+from loong_compile.passes.fx.module_paths import source_line
+from loong_compile.passes.fx.nodes import example_value, node_arg, op_name
+from loong_compile.passes.fx.op_sets import LOSSES
+from loong_compile.passes.fx.tokens import counts_tokens, local_token_count
 
 # The fact: True when a label shift was rewritten into the layout's exchange.
 LABELS_SHIFTED = "labels_shifted"

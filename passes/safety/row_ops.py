@@ -18,20 +18,20 @@ from typing import Any
 import torch
 import torch.fx
 
-from loong_compile.passes.safety.token_ops import example_value, full_slice, node_arg, op_name
+from loong_compile.passes.fx.nodes import example_value, node_arg, op_name
+from loong_compile.passes.fx.op_sets import COPIES, DTYPE_CASTS, EXPANDS, INT_CASTS, PROJECTIONS, RESHAPES
+from loong_compile.passes.safety.token_ops import full_slice
 
 Node = torch.fx.Node
 
-CASTS = {"float", "double", "half", "bfloat16", "int", "long", "to", "type", "type_as",
-         "contiguous", "clone", "detach"}
-_RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "expand",
-             "expand_as", "unsqueeze", "squeeze"}
+# ops that change a value's elements one by one, or not at all: every row stays where it is
+CASTS = DTYPE_CASTS | INT_CASTS | {"type_as"} | COPIES
+_RESHAPES = RESHAPES | EXPANDS
 # ops along an axis: (position of ``dim``, its default; None: every axis)
 _ALONG = {"chunk": (2, 0), "split": (2, 0), "unbind": (1, 0), "narrow": (1, None),
           "select": (1, None), "softmax": (1, None), "log_softmax": (1, None), "sum": (1, None),
           "mean": (1, None), "amax": (1, None), "amin": (1, None), "var": (1, None),
           "cumsum": (1, None), "topk": (2, -1), "cat": (1, 0)}
-_MATMULS = {"linear", "matmul", "mm"}
 _IN_PLACE_OPERATORS = {"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
                        "iand", "ior", "ixor", "ilshift", "irshift", "imatmul"}
 _ATEN_NAMES = {"truediv": "div"}  # operators whose aten op has another name
@@ -51,7 +51,7 @@ def why_not_rowwise(node: Node, permuted: Collection[Node], rows: int,
     token data (a weight is not one)."""
     name = op_name(node)
     first = node.args[0] if node.args else None
-    if name in _MATMULS:
+    if name in PROJECTIONS:
         other = [a for a in node.all_input_nodes if a is not first]
         if first not in permuted or example_value(first).dim() < 2 \
                 or any(a in data or example_value(a).dim() > 2 for a in other):
@@ -65,7 +65,7 @@ def why_not_rowwise(node: Node, permuted: Collection[Node], rows: int,
             return f"{name} works along the permuted rows"
     elif not (name in CASTS or name in _RESHAPES or _pointwise(node)):
         return f"{name} is not known to treat every row alike"
-    if name not in _MATMULS:
+    if name not in PROJECTIONS:
         out = example_value(node)
         for a in node.all_input_nodes:
             if a not in permuted and _spans_rows(example_value(a), out):

@@ -46,20 +46,23 @@ from typing import Any
 import torch
 import torch.fx
 
-from loong_compile.passes.fx_util import module_path, source_line
+from loong_compile.passes.fx.module_paths import module_path, source_line
+from loong_compile.passes.fx.nodes import example_value, node_arg, op_name
+from loong_compile.passes.fx.op_sets import COPIES, EXPANDS, INT_CASTS, RESHAPES, VIEWS
+from loong_compile.passes.fx.tokens import counts_tokens
 from loong_compile.passes.safety.row_ops import CASTS, why_not_rowwise, writes
-from loong_compile.passes.safety.token_ops import (
-    counts_tokens, custom_op, example_value, node_arg, op_name)
+from loong_compile.passes.safety.token_ops import custom_op
 
 Node = torch.fx.Node
 
 PROOF = "proof"  # a step of the dispatch itself: the token checks skip it
 
-_VIEWS = {"view", "reshape", "flatten", "contiguous", "clone", "detach"}
-_RESHAPES = {"view_as", "reshape_as", "expand", "expand_as", "unsqueeze", "squeeze", "unflatten",
-             "transpose", "permute", "narrow", "select", "getitem", "chunk", "split", "unbind"}
+# what a 1-D key is a view or a copy of: the same values
+_VIEWS = VIEWS | COPIES
+# ... and what makes a view of another tensor (an in-place update through it changes that one)
+_VIEWS_OF_ANOTHER = _VIEWS | RESHAPES | EXPANDS | {
+    "transpose", "permute", "narrow", "select", "getitem", "chunk", "split", "unbind"}
 _UPDATES = {"add", "sub", "mul", "div"}   # in place, on rows the graph made (_updates_own_rows)
-_INT_CASTS = {"long", "int"}
 _FRESH = {"empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros",
           "new_ones", "new_full", "empty", "zeros", "ones", "full"}
 _GROUPED_MATMULS = {"grouped_mm"}
@@ -275,7 +278,7 @@ class RowPermutations:
         target = node.args[0] if node.args else None
         return (op_name(node).removesuffix("_") in _UPDATES and self._kind(target) == "rows"
                 and isinstance(target, Node) and target.op == "call_function"
-                and op_name(target) not in _VIEWS | _RESHAPES)
+                and op_name(target) not in _VIEWS_OF_ANOTHER)
 
     # -- reading nodes -----------------------------------------------------------------------
 
@@ -307,7 +310,7 @@ def _slots(key: Node) -> int:
 
 def _bound(key: Node) -> int | None:
     """An upper bound on the key's values when they are indices (of a topk or argmax)."""
-    while op_name(key) in _VIEWS | _INT_CASTS and key.args:
+    while op_name(key) in _VIEWS | INT_CASTS and key.args:
         key = key.args[0]
     source = key.args[0] if op_name(key) == "getitem" and key.args[1] == 1 else key
     name = op_name(source)

@@ -41,27 +41,26 @@ import torch
 import torch.fx
 
 from loong_compile.errors import LoongTokenMixingError
-from loong_compile.ops import attention_2d, causal_conv1d
-from loong_compile.ops.gated_scan import gated_delta_rule, mamba2_scan
 from loong_compile.ops.sequence import sequence_label_count
-from loong_compile.passes.attention.attention_2d import ATTENTION_SITES
-from loong_compile.passes.base import PassContext, ShardedPass
-from loong_compile.passes.scans import SCAN_SITES
-from loong_compile.passes.fx_util import module_path, source_line
-from loong_compile.passes.subgraphs import graph_scopes, hop_name
+from loong_compile.passes.base import ATTENTION_SITES, SCAN_SITES, PassContext, ShardedPass, exact_mixers
+from loong_compile.passes.fx.module_paths import module_path, source_line
+from loong_compile.passes.fx.nodes import example_value, is_weight, node_arg, op_name
+from loong_compile.passes.fx.op_sets import LOSSES, RESHAPES
+from loong_compile.passes.fx.subgraphs import graph_scopes, hop_name
+from loong_compile.passes.fx.tokens import counts_tokens, local_token_count
+from loong_compile.passes.fx.walks import only_returned
 from loong_compile.passes.safety.row_ops import writes
 from loong_compile.passes.safety.row_permutation import PROOF, RowPermutations
 from loong_compile.passes.safety.token_ops import (
-    ALLOWED_HOPS, ALONG_AXIS, CONVS, COUNTS, LINEAR, LOSSES, MATMULS, POSITIONS, REDUCTIONS,
-    UNREWRITTEN_ATTENTION, VIEWS, contractions, counts_tokens, custom_op, example_value,
-    from_input, full_slice, is_weight, node_arg, only_returned, op_name, reduced_dims)
+    ALLOWED_HOPS, ALONG_AXIS, CONVS, COUNTS, LINEAR, POSITIONS, PRODUCTS, REDUCTIONS,
+    UNREWRITTEN_ATTENTION, contractions, custom_op, from_input, full_slice, reduced_dims)
 
 
 class TokenLocalityPass(ShardedPass):
     name = "token_locality"
     stage = "dynamo"
-    # Only the rewritten attention may combine tokens: the calls ``attention_2d`` rewrote are
-    # the ones this analysis allows.
+    # Only the rewritten attention may combine tokens: the ops ``attention_2d`` declares it
+    # emits are the ones this analysis allows ...
     requires = (ATTENTION_SITES,)
     # ... and the scans' ops, where the scans stage rewrote a convolution or a recurrence
     uses = (SCAN_SITES,)
@@ -70,7 +69,7 @@ class TokenLocalityPass(ShardedPass):
         tokens = local_token_count(gm)
         if tokens is None:
             return {"matched": 0, "tokens_per_rank": None}
-        analysis = _Analysis(tokens, set(ctx.config.token_local_ops))
+        analysis = _Analysis(tokens, set(ctx.config.token_local_ops), exact_mixers(ctx))
         for scope in graph_scopes(gm):
             analysis.scan(scope)
         analysis.refuse_unproven()
@@ -86,8 +85,9 @@ class TokenLocalityPass(ShardedPass):
                 f"({tokens} tokens per rank){f' (and {more} more)' if more else ''}",
                 f"each rank holds only its share of the sequence, so nothing but the rewritten "
                 f"attention may combine tokens: {reason}", fix)
+        attention_ops = ctx.state.get(ATTENTION_SITES, ())
         attention = sum(1 for scope in graph_scopes(gm) for n in scope.module.graph.nodes
-                        if n.target is attention_2d)
+                        if n.target in attention_ops)
         if not attention and not ctx.config.allow_graphs_without_attention:
             raise LoongTokenMixingError(
                 f"graph {ctx.graph_id} has no attention call the backend rewrites, under "
@@ -105,23 +105,11 @@ class TokenLocalityPass(ShardedPass):
                 "local_only_outputs": [f"{n.name}: {reason}" for n, reason, _ in local_outputs]}
 
 
-def local_token_count(gm: torch.fx.GraphModule) -> int | None:
-    """Tokens per rank: the sequence axis of the rewritten attention's queries, else of the first
-    non-parameter input (``(B, T)`` ids or ``(B, T, D)`` states), else None."""
-    for node in gm.graph.nodes:
-        if node.target is attention_2d:
-            return example_value(node.args[0]).shape[-2]
-    for node in gm.graph.find_nodes(op="placeholder"):
-        value = example_value(node)
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and not is_weight(node):
-            return value.shape[1]
-    return None
-
-
 class _Analysis:
-    def __init__(self, tokens: int, token_local_ops: set[str]):
+    def __init__(self, tokens: int, token_local_ops: set[str], mixers: frozenset):
         self.tokens = tokens
         self.token_local_ops = token_local_ops
+        self.mixers = mixers  # what the rewrites emitted: exact across ranks
         self.tainted: set[torch.fx.Node] = set()
         self.partial: set[torch.fx.Node] = set()  # sums over this rank's tokens
         self.findings: list[tuple[torch.fx.Node, str, str]] = []
@@ -156,7 +144,7 @@ class _Analysis:
                 continue
             self.tainted.add(node)
             self.checked += 1
-            if node.target not in EXACT_MIXERS and verdict is not PROOF:
+            if node.target not in self.mixers and verdict is not PROOF:
                 self.check(node, name, inputs)
 
     def refuse_unproven(self) -> None:
@@ -188,16 +176,16 @@ class _Analysis:
             self.refuse(node, f"custom op {op} reads token data and the analysis cannot see "
                         "inside it", f"if {op} computes every token on its own, pass "
                         f"token_local_ops=[{op!r}] in options; otherwise run with hp=cp=1")
-        elif name in MATMULS and len(inputs) >= 2 and self.pairs_tokens(node, name):
+        elif name in PRODUCTS and len(inputs) >= 2 and self.pairs_tokens(node, name):
             self.refuse(node, f"{name} of two token tensors gives a token x token product "
                         f"{tuple(example_value(node).shape)}: attention the backend did not rewrite "
                         "(e.g. attn_implementation='eager')",
                         "use attn_implementation='sdpa' (F.scaled_dot_product_attention), which "
                         "becomes 2D-Attention, or run with hp=cp=1")
-        elif name in MATMULS and self.sums_tokens(node, name):
+        elif name in PRODUCTS and self.sums_tokens(node, name):
             self.refuse(node, f"{name} sums over a token axis: over this rank's tokens only",
                         _GATHER_FIX)
-        elif name in VIEWS and self.axes(node) and example_value(source).dim() >= 3 \
+        elif name in RESHAPES and self.axes(node) and example_value(source).dim() >= 3 \
                 and not self.axes(source):
             self.refuse(node, f"{name} to {tuple(example_value(node).shape)} makes a token-sized "
                         f"axis of {tuple(example_value(source).shape)}, which has none where "
@@ -341,17 +329,15 @@ class _Analysis:
                       "(output_router_logits=True), whose expert statistics cover the whole "
                       "sequence")
             fix = _AUX_LOSS_FIX
-        scan = next((f for f in _UNREWRITTEN_SCANS if f"in {f}" in stack), None)
+        scan = next((f for f in _RECURRENCES if f"in {f}" in stack), None)
         if scan:
-            reason = (f"{reason}, in {scan} ({_UNREWRITTEN_SCANS[scan]}), a recurrence that "
-                      "carries a state from token to token, which the scans stage does not "
-                      "rewrite yet")
+            reason = (f"{reason}, in {scan} ({_RECURRENCES[scan]}), a recurrence that "
+                      "carries a state from token to token, in a form the scans stage does not "
+                      "rewrite")
             fix = "run with hp=cp=1"
         self.findings.append((node, reason, fix))
 
 
-# the ops that combine a rank's tokens with the other ranks' exactly: what the rewrites emit
-EXACT_MIXERS = (attention_2d, causal_conv1d, gated_delta_rule, mamba2_scan)
 # ops whose result is a value of the whole sequence, the same on every rank of it: not token data
 SEQUENCE_VALUES = (sequence_label_count,)
 _SUM_FIX = ("sum the per-token losses and divide by the global count of label tokens: "
@@ -359,11 +345,11 @@ _SUM_FIX = ("sum the per-token losses and divide by the global count of label to
             "loss outside the compiled model")
 # transformers' load-balancing loss, named in the message only (the token rules refuse it)
 _AUX_LOSS = "load_balancing_loss_func"
-# transformers' torch fallbacks of the recurrences the scans stage does not match yet, named in
-# the message (the token rules refuse what they do on local tokens)
-_UNREWRITTEN_SCANS = {"torch_chunk_gated_delta_rule": "gated DeltaNet, Qwen3-Next and Qwen3.5",
-                      "mamba2_chunk_scan": "Mamba-2's selective scan",
-                      "torch_forward": "a Mamba-2 mixer's selective scan"}
+# transformers' torch fallbacks of recurrences, named in the message when a refused node sits in
+# one: a call the scans stage left as it is (its report says why) or a mixer's torch_forward
+_RECURRENCES = {"torch_chunk_gated_delta_rule": "gated DeltaNet, Qwen3-Next and Qwen3.5",
+                "mamba2_chunk_scan": "Mamba-2's selective scan",
+                "torch_forward": "a Mamba-2 mixer's selective scan"}
 _AUX_LOSS_FIX = ("pass output_router_logits=False; to train with the loss, compute it outside the "
                  "compiled model from the router_logits it returns, with the expert counts summed "
                  "over the sequence's ranks (all_reduce) and each rank's routing probabilities "

@@ -1,20 +1,22 @@
-"""How the token analysis reads one FX node: its op, the axes it works on, its arguments.
+"""How the token analysis reads one FX node: the rule its op falls under, the axes it works
+on, the indices a product sums over.
 
 ``passes/safety/token_locality.py`` decides what mixes tokens; this module only answers questions
 about a node of a Dynamo graph (torch functions, tensor methods, custom ops and
-higher-order ops alike) without running it, and without guarding a dynamic length.
+higher-order ops alike) without running it, and without guarding a dynamic length.  What every
+stage reads of a node (its value, arguments, op name) is ``passes/fx/nodes.py``.
 """
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 
-from loong_compile.passes.fx_util import ancestors
+from loong_compile.passes.fx.nodes import example_value, node_arg
+from loong_compile.passes.fx.op_sets import MATMULS
+from loong_compile.passes.fx.walks import ancestors
 
 ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "diff", "roll", "flip",
               "sort", "argsort", "topk", "kthvalue", "index_select", "gather", "take_along_dim",
@@ -29,11 +31,10 @@ REDUCTIONS = {"mean", "nanmean", "amax", "amin", "max", "min", "logsumexp", "sof
 LINEAR = {"add", "sub", "neg", "mul", "truediv", "div", "float", "double", "to", "type",
           "view", "reshape", "contiguous", "clone", "detach", "getitem", "squeeze", "unsqueeze",
           "iadd", "isub", "imul", "itruediv"}
-MATMULS = {"matmul", "bmm", "einsum", "baddbmm", "mm"}
-VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
+# the products whose summed indices ``contractions`` reads
+PRODUCTS = MATMULS | {"bmm", "einsum", "baddbmm"}
 COUNTS = {"histc", "bincount"}
 POSITIONS = {"arange", "range", "linspace"}
-LOSSES = {"cross_entropy", "nll_loss"}
 CONVS = {"conv1d", "conv2d", "conv3d", "conv_transpose1d"}
 # attention Dynamo keeps as one call (nn.MultiheadAttention) or that the rewrite left alone
 UNREWRITTEN_ATTENTION = {"multi_head_attention_forward", "native_multi_head_attention",
@@ -41,33 +42,6 @@ UNREWRITTEN_ATTENTION = {"multi_head_attention_forward", "native_multi_head_atte
                          "scaled_dot_product_efficient_attention",
                          "scaled_dot_product_attention_math", "flash_attn_func"}
 ALLOWED_HOPS = {"tag_activation_checkpoint", "wrap", "autograd_function_apply"}
-
-
-def counts_tokens(size: Any, tokens: Any) -> bool:
-    """Whether an axis of this size holds tokens: a multiple of the local count T.  With a dynamic
-    T (``mark_dynamic``) an axis holds tokens when its size is an expression in T's symbol;
-    comparing symbolic sizes numerically would add guards."""
-    if isinstance(tokens, torch.SymInt):
-        return isinstance(size, torch.SymInt) and bool(
-            tokens.node.expr.free_symbols & size.node.expr.free_symbols)
-    return isinstance(size, int) and size > 0 and size % tokens == 0
-
-
-def only_returned(node: torch.fx.Node, top: torch.fx.Graph) -> bool:
-    """Whether a value reaches nothing but the top-level graph's outputs (through views)."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        for user in n.users:
-            if user.op == "output" and user.graph is not top:
-                return False  # a HOP body's result is used by its caller
-            if user.op == "output" or user in seen:
-                continue
-            if op_name(user) not in ("getitem", "view", "contiguous", "reshape"):
-                return False
-            seen.add(user)
-            todo.append(user)
-    return True
 
 
 def from_input(node: torch.fx.Node, word: str) -> bool:
@@ -101,27 +75,6 @@ def reduced_dims(node: torch.fx.Node, ndim: int, name: str) -> list[int] | None:
     return [d % ndim for d in dims if isinstance(d, int)]
 
 
-def node_arg(node: torch.fx.Node, key: str, position: int | None, default: Any) -> Any:
-    if key in node.kwargs:
-        return node.kwargs[key]
-    if position is not None and len(node.args) > position:
-        return node.args[position]
-    return default
-
-
-def op_name(node: torch.fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    target = node.target
-    if target in (operator.getitem,):
-        return "getitem"
-    if target is F.pad or getattr(target, "__name__", "") == "pad":
-        return "pad"
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return target.__name__.split(".")[0]
-    return getattr(target, "__name__", str(target)).lstrip("_")
-
-
 def custom_op(target: Any) -> str | None:
     """``namespace::name`` of a custom op (not aten/prims/loong), else None."""
     if isinstance(target, torch._ops.OpOverload):
@@ -131,18 +84,6 @@ def custom_op(target: Any) -> str | None:
     else:
         return None
     return None if name.split("::")[0] in ("aten", "prims", "loong") else name
-
-
-def is_weight(node: torch.fx.Node) -> bool:
-    grapharg = node.meta.get("grapharg")
-    source = getattr(getattr(grapharg, "source", None), "name", "")
-    source = source() if callable(source) else str(source)
-    return "_parameters" in source or "_buffers" in source or "parameters_" in node.name \
-        or "buffers_" in node.name
-
-
-def example_value(node: Any) -> Any:
-    return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
 
 
 def contractions(node: torch.fx.Node, name: str) -> list[list[tuple[torch.fx.Node, int, list[int]]]]:

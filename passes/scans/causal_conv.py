@@ -11,7 +11,7 @@ matches:  in the graph and its inline higher-order-op bodies (activation checkpo
           weight ``(C, 1, k)``), stride and dilation 1, ``padding = k-1``, whose every use is
           ``[..., :T]``: what transformers' ``causal_conv1d_fn`` torch fallback (Qwen3-Next,
           Qwen3.5, LFM2, Mamba-2's mixers) and ``nn.Conv1d(padding=k-1)(x)[..., :T]`` compute
-provides: ``scan_sites``: each matched call is ``ops.causal_conv.causal_conv1d`` over the
+provides: ``scan_sites``: each matched call is ``ops.scans.causal_conv.causal_conv1d`` over the
           sequence's ranks (its halo exchanged, exact)
 refuses:  nothing: a convolution that does not match is left for ``token_locality``, which
           refuses it by name
@@ -28,15 +28,14 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from loong_compile.ops.causal_conv import causal_conv1d, halo_bytes
-from loong_compile.ops.scan_exchange import group_runs
-from loong_compile.passes.base import PassContext, ShardedPass
-from loong_compile.passes.fx_util import insert_dynamo_call, module_path, source_line
-from loong_compile.passes.safety.token_locality import local_token_count
-from loong_compile.passes.safety.token_ops import example_value, node_arg
-from loong_compile.passes.scans import SCAN_SITES
-from loong_compile.passes.scans.regions import SOURCE_META
-from loong_compile.passes.subgraphs import graph_scopes
+from loong_compile.ops.scans.causal_conv import causal_conv1d, halo_bytes
+from loong_compile.ops.scans.exchange import group_runs
+from loong_compile.passes.base import SCAN_SITES, PassContext, ShardedPass, add_exact_mixers
+from loong_compile.passes.fx.emit import copy_source_meta, insert_dynamo_call
+from loong_compile.passes.fx.module_paths import module_path, source_line
+from loong_compile.passes.fx.nodes import example_value, node_arg
+from loong_compile.passes.fx.subgraphs import graph_scopes
+from loong_compile.passes.fx.tokens import local_token_count
 
 CONV1D = (torch.conv1d, F.conv1d)
 
@@ -47,6 +46,7 @@ class CausalConvPass(ShardedPass):
     provides = (SCAN_SITES,)
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
+        add_exact_mixers(ctx, SCAN_SITES, (causal_conv1d,))
         tokens = local_token_count(gm)
         found = [(scope, node) for scope in graph_scopes(gm) if scope.inline
                  for node in scope.module.graph.nodes
@@ -95,7 +95,7 @@ def _rewrite(graph: torch.fx.Graph, conv: torch.fx.Node, kwargs: dict, runs: int
     with graph.inserting_before(conv):
         call = graph.call_function(causal_conv1d, (x, kernel_2d, bias), dict(kwargs))
     # the value of what it replaces (the op is not run here: it would exchange with the ranks)
-    call.meta.update({k: v for k, v in next(iter(conv.users)).meta.items() if k in SOURCE_META})
+    copy_source_meta(next(iter(conv.users)), call, also=("example_value",))
     for use in list(conv.users):
         use.replace_all_uses_with(call)
         graph.erase_node(use)

@@ -11,9 +11,9 @@ matches:  the nodes Dynamo traced inside one call of transformers' torch fallbac
           tensors (query, key, value, log-decay, beta, in the order the function first reads
           them) and whose one output leaves it.  The region is not trusted by its name: it is
           run at compile time on random inputs of its shapes in float64 and must equal
-          ``ops.gated_scan.gated_delta_rule`` on one rank (with or without the queries' and
+          ``ops.scans.gated_scan.gated_delta_rule`` on one rank (with or without the queries' and
           keys' l2 norm: whichever agrees) within float32 round-off.
-provides: ``scan_sites``: each matched region is ``ops.gated_scan.gated_delta_rule`` (the state
+provides: ``scan_sites``: each matched region is ``ops.scans.gated_scan.gated_delta_rule`` (the state
           exchanged between the sequence's ranks; under hp > 1 the heads split over the HP group)
 refuses:  nothing: a region that does not match is left for ``token_locality``, which refuses it
           by name
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from loong_compile.ops.gated_scan import gated_delta_rule, state_bytes
-from loong_compile.passes.fx_util import module_path
-from loong_compile.passes.safety.token_ops import example_value
+from loong_compile.ops.scans.gated_scan import gated_delta_rule, state_bytes
+from loong_compile.passes.fx.module_paths import module_path
+from loong_compile.passes.fx.nodes import example_value
 from loong_compile.passes.scans.regions import (CACHE_STATE, FunctionRegionPass, NotMatched,
                                                 best_reading, output_and_cached_states,
                                                 random_values, region_inputs, replace_region,
@@ -42,6 +42,7 @@ FUNCTION = "torch_chunk_gated_delta_rule"
 class GatedDeltaPass(FunctionRegionPass):
     name = "gated_delta"
     function = FUNCTION
+    op = gated_delta_rule
 
     def rewrite(self, graph: torch.fx.Graph, region: list[torch.fx.Node], mesh) -> dict[str, Any]:
         inputs = region_inputs(region)

@@ -10,9 +10,9 @@ matches:  the nodes Dynamo traced inside one call of transformers' torch fallbac
           higher-order-op bodies: a region that reads seven tensors (in the order the function
           first reads them: dt_bias, dt, x, B, C, D, A) and whose one output leaves it.  The
           region is not trusted by its name: it is run at compile time on random inputs of its
-          shapes in float64 and must equal ``ops.gated_scan.mamba2_scan`` on one rank (with or
+          shapes in float64 and must equal ``ops.scans.gated_scan.mamba2_scan`` on one rank (with or
           without the softplus on dt, its clamp read from the region) within float32 round-off.
-provides: ``scan_sites``: each matched region is ``ops.gated_scan.mamba2_scan`` (the state
+provides: ``scan_sites``: each matched region is ``ops.scans.gated_scan.mamba2_scan`` (the state
           exchanged between the sequence's ranks; under hp > 1 the heads split over the HP group)
 refuses:  nothing: a region that does not match is left for ``token_locality``, which refuses it
           by name
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from loong_compile.ops.gated_scan import mamba2_scan, state_bytes
-from loong_compile.passes.fx_util import module_path
-from loong_compile.passes.safety.token_ops import example_value
+from loong_compile.ops.scans.gated_scan import mamba2_scan, state_bytes
+from loong_compile.passes.fx.module_paths import module_path
+from loong_compile.passes.fx.nodes import example_value
 from loong_compile.passes.scans.regions import (CACHE_STATE, FunctionRegionPass, NotMatched,
                                                 best_reading, output_and_cached_states,
                                                 random_values, region_inputs, replace_region,
@@ -45,6 +45,7 @@ OP_ARGS = ("x", "dt", "A", "B", "C", "D", "dt_bias")
 class Mamba2Pass(FunctionRegionPass):
     name = "mamba2"
     function = FUNCTION
+    op = mamba2_scan
 
     def rewrite(self, graph: torch.fx.Graph, region: list[torch.fx.Node], mesh) -> dict[str, Any]:
         inputs = region_inputs(region)

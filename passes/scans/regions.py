@@ -11,16 +11,14 @@ import torch
 import torch.fx
 
 from loong_compile._compat.aot import real_tensors
-from loong_compile.ops.scan_exchange import group_runs
-from loong_compile.passes.base import PassContext, ShardedPass
-from loong_compile.passes.fx_util import module_path
-from loong_compile.passes.safety.token_ops import example_value, only_returned
-from loong_compile.passes.scans import SCAN_SITES
-from loong_compile.passes.subgraphs import graph_scopes
+from loong_compile.ops.scans.exchange import group_runs
+from loong_compile.passes.base import SCAN_SITES, PassContext, ShardedPass, add_exact_mixers
+from loong_compile.passes.fx.emit import copy_source_meta
+from loong_compile.passes.fx.module_paths import module_path
+from loong_compile.passes.fx.nodes import example_value
+from loong_compile.passes.fx.subgraphs import graph_scopes
+from loong_compile.passes.fx.walks import only_returned
 
-# what a call that replaces a node takes from it: its value (the op is not run at compile time:
-# it would exchange with the ranks) and where it came from
-SOURCE_META = ("example_value", "stack_trace", "nn_module_stack", "source_fn_stack")
 # the scans' regions compute in float32 (transformers casts), their ops too: what differs is the
 # order of the sums (chunks of other lengths), well inside this; another recurrence is off by O(1)
 PROOF_TOLERANCE = 1e-4
@@ -32,8 +30,10 @@ class NotMatched(Exception):
 
 class FunctionRegionPass(ShardedPass):
     """Each call of ``function`` in the graph and its inline higher-order-op bodies through
-    ``rewrite``: its report entry under ``changed``, or why it was left under ``kept``."""
+    ``rewrite`` into a call of ``op``: its report entry under ``changed``, or why it was left
+    under ``kept``."""
     function: str
+    op: Callable
     stage = "dynamo"
     provides = (SCAN_SITES,)
 
@@ -41,6 +41,7 @@ class FunctionRegionPass(ShardedPass):
         raise NotImplementedError
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
+        add_exact_mixers(ctx, SCAN_SITES, (self.op,))
         changed, kept = [], []
         for scope in graph_scopes(gm):
             regions = function_regions(scope.module.graph, self.function) if scope.inline else []
@@ -137,7 +138,8 @@ def replace_region(graph: torch.fx.Graph, region: list[torch.fx.Node], exit_node
     """``target(*args, **kwargs)`` in the place of ``exit_node``, and the region erased."""
     with graph.inserting_before(exit_node):
         call = graph.call_function(target, args, kwargs)
-    call.meta.update({k: v for k, v in exit_node.meta.items() if k in SOURCE_META})
+    # its value is the exit's (the op is not run at compile time: it would exchange with the ranks)
+    copy_source_meta(exit_node, call, also=("example_value",))
     exit_node.replace_all_uses_with(call)
     for node in reversed(region):
         graph.erase_node(node)

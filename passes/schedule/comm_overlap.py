@@ -31,7 +31,7 @@ import torch.fx
 
 from loong_compile.passes.schedule import exchange_order
 from loong_compile.passes.base import Pass
-from loong_compile.passes.fx_util import is_layout_op
+from loong_compile.passes.fx.storage import is_layout_op
 
 aten = torch.ops.aten
 _START = torch.ops._c10d_functional.all_to_all_single.default

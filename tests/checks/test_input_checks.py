@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import loong_compile as lc
-from conftest import error_of, still_in_step
+from helpers import error_of, still_in_step
 from loong_compile._compat.distributed import resolve_process_group
 from loong_compile.parallel.tokens import local_token_indices, mesh_token_indices
 from loong_compile.checks.inputs import Verdict, classify, describe, refused

@@ -13,8 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import loong_compile as lc
-from conftest import error_of, still_in_step
-from helpers import tiny_llama
+from helpers import error_of, still_in_step, tiny_llama
 from loong_compile.testing import run_distributed
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)

@@ -12,8 +12,9 @@ from torch import nn
 import loong_compile as lc
 import loong_compile.passes
 from loong_compile import _compat
-from loong_compile._compat.pool_planner import install_pool_planning, pool_planning_patches
+from loong_compile._compat.pool_planner import install_pool_planning
 from loong_compile.errors import LoongUnsupportedError
+from loong_compile.passes.memory_plan.request import pool_planning_patches
 
 pytestmark = pytest.mark.compat
 

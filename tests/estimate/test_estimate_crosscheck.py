@@ -17,13 +17,13 @@ import torch
 import loong_compile as lc
 from loong_compile.estimate.memory import layer_activations
 from loong_compile.estimate.models import ModelSpec
+from loong_compile.parallel.rules import CATEGORIES   # the report's category names are the estimator's
 from llama import Llama, LlamaConfig
 
 CFG = LlamaConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128)
 BATCH, SEQ, FP32 = 2, 64, 4
 SPEC = ModelSpec("example", CFG.dim, CFG.n_layers, CFG.n_heads, CFG.n_kv_heads, CFG.ffn_dim,
                  CFG.vocab_size)
-CATEGORIES = ("input", "attention", "other")   # the report's category names are the estimator's
 
 
 def compiled_report(policy: str, alpha: float):
@@ -78,7 +78,7 @@ def test_estimator_lm_head_term_equals_what_the_compiled_graph_keeps():
     from loong_compile.report.allocator import measure_peak_bytes
     from loong_compile.estimate.memory import MemoryOptions, ParallelConfig, estimate_memory
     from loong_compile.passes import library_passes
-    from loong_compile.passes.fx_util import base_of, nbytes
+    from loong_compile.passes.fx.storage import base_of, nbytes
 
     chunk = 16
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ import torch
 from helpers import allowed_pairs
 from loong_compile.cli import main
 from loong_compile.estimate.masking import causal_pairs, kv_chunk_fraction
-from loong_compile.ops.mask_plan import mask_plan
+from loong_compile.ops.masks.blocks import mask_plan
 
 
 def equal_documents(seq: int, length: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from loong_compile.estimate.equations import model_state_terms
 from loong_compile.estimate.memory import GIB, MemoryOptions, ParallelConfig, estimate_memory, layer_activations
 from loong_compile.estimate.models import ModelSpec
 from loong_compile.estimate.presets import load_model
+from loong_compile.parallel.rules import CATEGORIES
 
 LLAMA31_8B = load_model("llama3.1-8b")
 
@@ -348,7 +349,7 @@ def test_layer_activations_sc_plus_plus():
     saved, recomputed = result.by_category(), result.by_category("recomputed")
     assert saved["other"] == 0 and recomputed["input"] == recomputed["attention"] == 0
     assert saved["attention"] == 4 * 128 * 64 + 4 * 4 * 128
-    assert result.by_category("offloaded") == dict.fromkeys(mem.CATEGORIES, 0)
+    assert result.by_category("offloaded") == dict.fromkeys(CATEGORIES, 0)
 
 
 @pytest.mark.parametrize("change,named", [

@@ -28,7 +28,7 @@ def test_loopback_double_ring_equals_full_sequence_sdpa(cp, inner_ring, is_causa
 
 
 def test_loopback_ring_fails_when_a_block_is_dropped(monkeypatch):
-    from loong_compile.ops import ring
+    from loong_compile.ops.attention import ring
 
     def drop_last(cp_rank, cp, inner):  # a broken schedule must not pass the comparison
         return ring_schedule(cp_rank, cp, inner)[:-1]

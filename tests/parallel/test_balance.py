@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from loong_compile.errors import LoongShapeError
-from loong_compile.ops.documents import number_documents
-from loong_compile.ops.mask_plan import CHUNK_MAJOR, UNREADABLE, mask_plan, mask_positions
-from loong_compile.ops.step_mask import StepMask
+from loong_compile.ops.masks.documents import number_documents
+from loong_compile.ops.masks.blocks import CHUNK_MAJOR, UNREADABLE, mask_plan, mask_positions
+from loong_compile.ops.masks.step import StepMask
 from loong_compile.parallel.balance import restore
 from loong_compile.parallel.mesh import LoongMesh, rank_layout
 from loong_compile.parallel.tokens import IGNORE_INDEX, mesh_token_indices, shard_batch

@@ -52,7 +52,7 @@ def test_hp_group_concatenation_is_the_zigzag_cp_shard(cp, hp, multiple):
 @settings(max_examples=40, deadline=None)
 @given(cp=sizes, hp=sizes, multiple=st.integers(1, 5))
 def test_token_runs_are_the_local_tokens_as_maximal_runs(cp, hp, multiple):
-    """What the scans read (ops/scan_exchange.py): a rank's tokens in local order, cut only
+    """What the scans read (ops/scans/exchange.py): a rank's tokens in local order, cut only
     where two neighbours in local order are not neighbours in the sequence."""
     seq = multiple * sequence_divisor(cp, hp)
     for c in range(cp):

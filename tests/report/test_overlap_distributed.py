@@ -14,7 +14,7 @@ from helpers import tiny_llama, token_ids
 from loong_compile.parallel.mesh import init_mesh
 from loong_compile.report.overlap import late_prefetches, overlap_of
 from loong_compile.passes import library_passes
-from loong_compile.passes.fx_util import is_collective
+from loong_compile.passes.fx.aten_ops import is_collective
 from loong_compile.testing import run_distributed
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)

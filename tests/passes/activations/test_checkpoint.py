@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from loong_compile.passes.fx_util import attention_ops, is_attention, tangent_dependent
+from loong_compile.passes.fx.aten_ops import attention_ops, is_attention
+from loong_compile.passes.fx.walks import tangent_dependent
 from loong_compile.passes.activations.layers import find_layers
 from helpers import Probe, mixing_model, run_step
 

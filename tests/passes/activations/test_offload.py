@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from loong_compile.ops.offload import OFFLOAD, RELOAD, WAIT
-from loong_compile.passes.activations.classify import ACTIVATION_PLAN, CATEGORIES
-from loong_compile.passes.fx_util import base_of
+from loong_compile.parallel.rules import CATEGORIES
+from loong_compile.passes.activations.classify import ACTIVATION_PLAN
+from loong_compile.passes.fx.storage import base_of
 from loong_compile.passes.activations.layers import layer_name
 from loong_compile.passes.activations.offload import ROUNDING_BUFFER, forward_uses
 from helpers import Probe, run_step, tiny_llama

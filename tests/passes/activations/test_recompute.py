@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from loong_compile.passes.safety.token_rules import TokenDim, analyse
+from loong_compile.passes.activations.token_rules import TokenDim, analyse
 from helpers import SEQ, Probe, assert_same_loss_and_grads, captured, mixing_model, run_step
 
 S = 8   # tokens in the hand-built graphs

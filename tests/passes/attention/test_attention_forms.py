@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from conftest import STAND_INS
-from helpers import loong_error_in
+from helpers import STAND_INS, loong_error_in
 from loong_compile.testing import run_distributed
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)

@@ -10,7 +10,7 @@ from loong_compile import LoongConfig, LoongUnsupportedError
 from loong_compile.ops import attention_2d
 from loong_compile.passes.attention.attention_2d import Attention2DPass, balanced_exact
 from loong_compile.passes.base import PassContext
-from conftest import FakeMesh, dynamo_graph
+from graph_helpers import FakeMesh, dynamo_graph
 from helpers import hf_masked_attention
 
 B, H, HKV, S, D = 2, 4, 2, 8, 16

@@ -13,12 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import dynamo_graph, error_of
+from graph_helpers import dynamo_graph
+from helpers import error_of
 from loong_compile.passes.attention.input_roles import rope_positions
-from loong_compile.passes.subgraphs import graph_scopes
+from loong_compile.passes.fx.subgraphs import graph_scopes
 from loong_compile.testing import run_distributed
-from trust_matrix import (BATCH, SEQ, _shifted, packed_documents, packed_positions, padding_mask,
-                          relative_error, token_ids)
+from trust_cases import BATCH, SEQ, packed_documents, packed_positions, padding_mask, token_ids
+from trust_cases import shifted as _shifted
+from trust_reference import relative_error
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
 

@@ -8,7 +8,7 @@ The graphs stand for one rank's share (T = 12 tokens) of a sequence split over c
 import torch
 import torch.nn.functional as F
 
-from conftest import StubMesh, dynamo_graph
+from graph_helpers import StubMesh, dynamo_graph
 from loong_compile import LoongConfig
 from loong_compile.ops.sequence import layout_positions
 from loong_compile.passes.attention.made_positions import MADE_POSITIONS, MadePositionsPass

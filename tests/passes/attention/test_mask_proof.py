@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import dynamo_graph
+from graph_helpers import dynamo_graph
 from helpers import hf_masked_attention as hf_masked
 from loong_compile.passes.attention.input_roles import Prover, rope_positions
 from loong_compile.passes.attention.mask_proof import (
     PADDING, POSITIONS, MaskMeaning, MaskNotProven, Probe, candidate_mask, probe_inputs)
-from loong_compile.passes.subgraphs import graph_scopes
+from loong_compile.passes.fx.subgraphs import graph_scopes
 
 B, H, L, D = 2, 2, 16, 8
 

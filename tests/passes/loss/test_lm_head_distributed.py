@@ -3,7 +3,7 @@ loss is its share (its tokens' sum over the batch's label count), and the ranks'
 gradients add up to one process's on the full sequence, float64.
 
 The example Llama through ``loong_compile.NextTokenLoss``; the trust matrix's loss-in-graph
-habits (``tests/trust_matrix.py``: transformers' own loss with ``labels=``, ``shift_labels=``,
+habits (``tests/trust_cases.py``: transformers' own loss with ``labels=``, ``shift_labels=``,
 ``num_items_in_batch=`` on Llama and on Gemma3 with final-logit softcapping and tied
 embeddings, Qwen2 with key padding labelled ``-100``, and a Llama head tied to the
 embedding).  One spawn of 4 ranks for all of them.
@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from loong_compile.testing import run_distributed
-from trust_matrix import (
-    BATCH, INDUCTOR_TOLERANCE, LM_HEAD_CHUNK, LOSS_IN_GRAPH_CASES, SEQ, loss_in_graph_step,
-    reference, relative_error, token_ids, tolerance,
-)
+from trust_cases import BATCH, LM_HEAD_CHUNK, LOSS_IN_GRAPH_CASES, SEQ, token_ids
+from trust_reference import INDUCTOR_TOLERANCE, reference, relative_error, tolerance
+from trust_run import loss_in_graph_step
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)
 

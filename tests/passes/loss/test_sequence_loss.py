@@ -8,7 +8,7 @@ the rewritten graphs are only inspected (their values on ranks: the trust matrix
 import torch
 import torch.nn.functional as F
 
-from conftest import StubMesh, dynamo_graph
+from graph_helpers import StubMesh, dynamo_graph
 from loong_compile import LoongConfig
 from loong_compile.ops.sequence import next_token_labels, sequence_label_count
 from loong_compile.passes.base import PassContext

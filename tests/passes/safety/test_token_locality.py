@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import dynamo_graph
+from graph_helpers import dynamo_graph
 from loong_compile import LoongConfig
 from loong_compile.errors import LoongTokenMixingError
 from loong_compile.passes.base import PassContext

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import StubMesh, dynamo_graph
+from graph_helpers import StubMesh, dynamo_graph
 from loong_compile import LoongConfig
 from loong_compile.errors import LoongTokenMixingError
-from loong_compile.ops.causal_conv import causal_conv1d
+from loong_compile.ops.scans.causal_conv import causal_conv1d
 from loong_compile.passes.base import PassContext
 from loong_compile.passes.safety.token_locality import TokenLocalityPass
 from loong_compile.passes.scans.causal_conv import CausalConvPass

@@ -1,5 +1,5 @@
 """passes/scans/gated_delta.py on Dynamo graphs of one rank's share (T = 12 tokens, cp = 2): a call
-of transformers' ``torch_chunk_gated_delta_rule`` becomes ``ops.gated_scan.gated_delta_rule``; a
+of transformers' ``torch_chunk_gated_delta_rule`` becomes ``ops.scans.gated_scan.gated_delta_rule``; a
 function of the same name that computes something else is run, found not to be the rule, and
 left for the token analysis, which refuses it by name."""
 
@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule as transformers_rule
 
-from conftest import StubMesh, dynamo_graph
+from graph_helpers import StubMesh, dynamo_graph
 from loong_compile import LoongConfig
 from loong_compile.errors import LoongTokenMixingError
-from loong_compile.ops.gated_scan import gated_delta_rule
+from loong_compile.ops.scans.gated_scan import gated_delta_rule
 from loong_compile.passes.base import PassContext
 from loong_compile.passes.safety.token_locality import TokenLocalityPass
 from loong_compile.passes.scans.gated_delta import GatedDeltaPass

@@ -1,5 +1,5 @@
 """passes/scans/mamba2.py on Dynamo graphs of one rank's share (T = 12 tokens, cp = 2): a call of
-transformers' ``mamba2_chunk_scan`` becomes ``ops.gated_scan.mamba2_scan`` with the dt rule it
+transformers' ``mamba2_chunk_scan`` becomes ``ops.scans.gated_scan.mamba2_scan`` with the dt rule it
 was found to apply; a function of the same name that computes something else is run, found not
 to be the scan, and left for the token analysis, which refuses it by name."""
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers.models.falcon_h1.modeling_falcon_h1 import mamba2_chunk_scan as transformers_scan
 
-from conftest import StubMesh, dynamo_graph
+from graph_helpers import StubMesh, dynamo_graph
 from loong_compile import LoongConfig
 from loong_compile.errors import LoongTokenMixingError
-from loong_compile.ops.gated_scan import mamba2_scan
+from loong_compile.ops.scans.gated_scan import mamba2_scan
 from loong_compile.passes.base import PassContext
 from loong_compile.passes.safety.token_locality import TokenLocalityPass
 from loong_compile.passes.scans.mamba2 import Mamba2Pass

@@ -1,0 +1,18 @@
+"""FX facts every stage of the passes shares; the stage folders import them from here (never
+from each other), and nothing here imports a stage folder.
+
+==================  ==========================================================================
+module              what it answers
+==================  ==========================================================================
+``nodes``           one node read without running it: its value, an argument, its op's name
+``op_sets``         op-name sets (casts, views, matmuls, losses, angles), defined once
+``walks``           what a value comes from or only goes to; the backward's nodes; graph order
+``tokens``          the tokens per rank of a Dynamo graph; whether an axis holds tokens
+``subgraphs``       the graph and the higher-order-op bodies a dynamo pass walks
+``module_paths``    a node's source line and module path; the layer it belongs to
+``emit``            adding a call with its fake value and its source metadata
+``autocast``        the dtype autocast casts to at each node
+``aten_ops``        attention, collective and random ops of AOTAutograd's graphs; FLOPs
+``storage``         views, the node owning a value's storage, its bytes
+==================  ==========================================================================
+"""
