@@ -46,7 +46,8 @@ from loong_compile.errors import LoongConfigError
 from loong_compile.passes import library_passes, library_source_digest
 from loong_compile.passes.attention.input_roles import BALANCED_EXACT, POSITION_INPUTS
 from loong_compile.passes.attention.made_positions import MADE_POSITIONS
-from loong_compile.passes.loss.sequence_loss import LABELS_SHIFTED
+from loong_compile.passes.fx.batch_view import blind_to_the_batch
+from loong_compile.passes.loss.sequence_loss import LABELS_SHIFTED, SHIFTED_LABEL_INPUTS
 from loong_compile.passes.memory_plan.request import pool_planning_patches
 from loong_compile.passes.base import STAGES, GraphPass, PassContext, ScheduleRequest, SplitGraphs, check_contracts
 from loong_compile.report import Dumper, GraphReport, PassRecord, overlap
@@ -171,10 +172,14 @@ class _GraphCompile:
         self.run_stage("dynamo", self.gm, "dynamo")
         self.gm.recompile()
         self._check_ranks_agree()
-        compiled, summary = input_checks.checking_positions(
-            self._lower(example_inputs), self.gm, self.mesh, self.state.get(POSITION_INPUTS, {}),
-            self.state.get(BALANCED_EXACT, False), self.state.get(LABELS_SHIFTED, False),
-            self.state.get(MADE_POSITIONS, {}).get("inputs", ()))
+        facts = input_checks.GraphFacts(
+            self.state.get(POSITION_INPUTS, {}), self.state.get(BALANCED_EXACT, False),
+            self.state.get(LABELS_SHIFTED, False),
+            self.state.get(MADE_POSITIONS, {}).get("inputs", ()),
+            self.state.get(SHIFTED_LABEL_INPUTS, ()),
+            blind_to_the_batch(self.gm, self.state.get(MADE_POSITIONS, {}).get("inputs", ())))
+        compiled, summary = input_checks.checking_inputs(self._lower(example_inputs), self.gm,
+                                                         self.mesh, facts)
         if summary is not None:
             self.report.passes.append(PassRecord("input_checks", "dynamo", "dynamo", 0.0, summary))
             self._publish()

@@ -60,6 +60,9 @@ STAGES = ("dynamo", "joint", "split", "post_grad", "schedule", "inductor")
 # token analysis lets combine a rank's tokens (``exact_mixers``).
 ATTENTION_SITES = "attention_sites"
 SCAN_SITES = "scan_sites"
+# The graph inputs the attention pass found to be positions ({input index: how}): the backend's
+# input check compares them with the layout, and the scans read their documents from them.
+POSITION_INPUTS = "position_inputs"
 
 
 @dataclasses.dataclass

@@ -2,7 +2,8 @@
 other or from conftest.py): the tiny Llama builder, one single-process training step through
 a ``LoongBackend`` with a probe pass, the gradient-equality assertion, the multi-rank
 section harness and the errors a test reads, the masked-attention reference and attention
-with transformers' own masks, and where the stand-in kernels live.
+with transformers' own masks, the scans' recurrences token by token and document by document,
+and where the stand-in kernels live.
 """
 
 from __future__ import annotations
@@ -357,3 +358,16 @@ def mamba2_recurrence(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bi
         out = out + D[..., None] * hidden_states
     state = out.new_zeros(out.size(0), heads, out.size(-1), B.size(-1))  # a cache's only
     return (out, state) if return_final_states else out
+
+
+def each_document_alone(fn: Callable[..., torch.Tensor], rows: list[list[int]], dim: int,
+                        *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn`` on each packed document alone, the outputs joined: ``rows[b]`` the document lengths
+    of batch row ``b``, ``tensors`` ``(B, ..., S, ...)`` with the tokens on ``dim`` (what the
+    scans compute for packed documents: each from a zero state, reading no earlier document)."""
+    joined = []
+    for b, lengths in enumerate(rows):
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        joined.append(torch.cat([fn(*(t[b:b + 1].narrow(dim, s, n) for t in tensors))
+                                 for s, n in zip(starts, lengths)], dim))
+    return torch.cat(joined)

@@ -38,6 +38,7 @@ graph most:
   alternating windows, experts, float32).
 - chunked attention: Llama 4 (none: a chunked layer, a NoPE layer with its attention
   temperature, experts, float32).
+- issue 51, under none, sc++ and memo (alpha 0): LoRA on Llama (PEFT).
 - every policy: Mistral with packed documents in ``shard_batch(balance_documents=True)``'s
   order and a window shorter than a rank's share (the tokens reordered, the window counted in
   the document), LFM2 (a short causal convolution across ranks: its halo exchanged, issue 37)
@@ -102,6 +103,11 @@ for cases in POLICY_CASES.values():
 # expands its positions to four rotary axes
 ONE_POLICY_SCANS = [Case("qwen3_5")]
 POLICY_CASES["none"] += ONE_POLICY_SCANS
+# issue 51, under none, sc++ and memo: PEFT's LoRA on Llama's attention and MLP projections (the
+# modules reached through PEFT's wrappers, the base frozen)
+LORA = Case("llama", habit="lora")
+for policy in ("none", "sc++", "memo-alpha0"):
+    POLICY_CASES[policy].append(LORA)
 # what the policy must have done in each case's graphs (run_case's work_done)
 WORK = {
     "sc++": lambda done: done["recompute_tags"] > 0,
@@ -130,8 +136,12 @@ class Cell(NamedTuple):
 SCALAR_KERNELS = {"inductor_options": {"cpp.simdlen": 1}}
 
 HP2_CP2 = [Cell(p, c, 2, 2) for p, cases in POLICY_CASES.items() for c in cases]
-# cp = 4: every run but the first takes its halo and its start state from another rank
-CP4 = [Cell("none", c, 1, 4) for c in [*SCANS, *ONE_POLICY_SCANS]]
+# cp = 4: every run but the first takes its halo and its start state from another rank; Falcon-H1
+# and Qwen3.5 with packed documents, the state reset at each document start wherever it falls
+# (issue 51: judged against each document alone)
+SCANS_PACKED = [Case("falcon_h1", habit="packed_use_cache_false"),
+                Case("qwen3_5", habit="packed_use_cache_false")]
+CP4 = [Cell("none", c, 1, 4) for c in [Case("lfm2"), Case("qwen3_next"), *SCANS_PACKED]]
 # hp = cp = 1 (issue 36): one process holds the whole sequence, and the attention pass replaces
 # every mask it proves (documents, padding, windows, chunks: the S x S mask transformers builds
 # under torch.compile) with 2D-Attention's masked op on one rank.  (the calls at least

@@ -34,6 +34,8 @@ HABITS_SAMPLED = ("labels_no_position_ids", "use_cache_false", "grad_ckpt", "gra
                   "packed_use_cache_false", "bf16", "autocast_bf16", "no_shard_batch",
                   "eval_no_grad")
 SAMPLED_ARCHS = ("llama", "qwen2", "gemma3", "gpt2")
+# the scan models with packed documents: a gated DeltaNet and a Mamba-2 (their convolutions too)
+SCAN_PACKED_ARCHS = ("qwen3_5", "falcon_h1")
 LONG_WINDOW_ARCHS = ("mistral", "gemma3", "qwen3")
 # the router's load-balancing loss (each model's own code: statistics over the whole sequence's
 # routing, refused), and the experts implementations users select besides grouped_mm
@@ -48,6 +50,8 @@ EXPERTS_HABITS = ("experts_batched_mm", "experts_eager")
 # with key padding, and loong_compile.NextTokenLoss on a head tied to the embedding.  Gemma3 gets
 # a final-logit softcap small enough to bend these logits.
 LM_HEAD_CHUNK, SOFTCAP = 8, 0.1
+# PEFT LoRA (habit "lora"): the projections the issue's user adapts, in attention and the MLP
+LORA_TARGETS = ["q_proj", "v_proj", "up_proj"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +107,19 @@ def all_cases() -> list[Case]:
     cases += [Case(arch, habit=habit) for arch in MOE if arch != "deepseek_v3_moe"
               for habit in MOE_HABITS]
     cases += [Case("mixtral", habit=habit) for habit in EXPERTS_HABITS]
+    # PEFT's LoRA (issue 51): the modules found through PEFT's wrappers, the window among them
+    # (32 > a rank's 24 tokens: no mask, the window read from the module)
+    cases += [Case("llama", habit="lora"), Case("mistral", window=WINDOW_SHORT, habit="lora")]
+    # labels=batch.labels: shard_batch's labels, shifted over the whole sequence, where
+    # transformers expects unshifted ones (it would shift them twice): refused on every rank
+    cases += [Case("llama", habit="batch_labels")]
     cases += [Case(arch, habit=habit) for arch in SCAN_ARCHITECTURES for habit in HABITS_EVERY_ARCH]
     # a bf16 model: the scans' proofs run the region in the model's dtypes (its casts are constants)
     cases += [Case("qwen3_next", habit="bf16"), Case("falcon_h1", habit="bf16")]
+    # packed documents through the scans, each from a zero state as the kernels users run (issue
+    # 51: judged against each document alone); in the balanced order no reset can be placed
+    cases += [Case(arch, habit="packed_use_cache_false") for arch in SCAN_PACKED_ARCHS]
+    cases += [Case("qwen3_5", habit="packed_balanced_use_cache_false")]
     # chunked attention both ways; transformers builds gpt-oss (sinks) and Gemma 2 (softcapped
     # scores) with eager attention only
     # (packed documents: transformers counts a document's chunks from its own start)
@@ -167,9 +181,9 @@ def precision(arch: str) -> torch.dtype:
 
 def case_model(case: Case, dtype: torch.dtype) -> torch.nn.Module:
     """The case's model in ``dtype``, with what its habit sets on the model itself (a softcap
-    and a tied head for the loss in the graph, an experts implementation)."""
-    return _experts_setup(case, _loss_in_graph_setup(case, build(case.arch, case.attn, case.window,
-                                                                  dtype)))
+    and a tied head for the loss in the graph, an experts implementation, LoRA adapters)."""
+    return _lora_setup(case, _experts_setup(case, _loss_in_graph_setup(
+        case, build(case.arch, case.attn, case.window, dtype))))
 
 
 def _loss_in_graph_setup(case: Case, model: torch.nn.Module) -> torch.nn.Module:
@@ -184,6 +198,17 @@ def _experts_setup(case: Case, model: torch.nn.Module) -> torch.nn.Module:
     if case.habit.startswith("experts_"):
         model.set_experts_implementation(case.habit.removeprefix("experts_"))
     return model
+
+
+def _lora_setup(case: Case, model: torch.nn.Module) -> torch.nn.Module:
+    """PEFT's LoRA on attention and MLP projections (issue 51): the base frozen, the adapters in
+    the model's dtype, both factors drawn (PEFT's default zero B would leave A's gradient 0)."""
+    if not case.habit.startswith("lora"):
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(target_modules=LORA_TARGETS, r=4, lora_alpha=8,
+                                            init_lora_weights=False))
 
 
 def summed_loss(logits: torch.Tensor, labels: torch.Tensor, count: int) -> torch.Tensor:

@@ -89,6 +89,8 @@ def _distributed_step(case: Case, hp: int, cp: int, extra_options: dict | None =
     with habit_autocast(case):
         if case.habit in LABELS_HABITS:  # this rank's ids as the labels
             loss = compiled(inputs, labels=inputs, **kwargs).loss
+        elif case.habit == "batch_labels":  # shard_batch's labels, already shifted, as labels=
+            loss = compiled(inputs, labels=labels, **kwargs).loss
         elif case.habit in ("shift_labels", "router_aux_loss"):
             if case.habit == "router_aux_loss":
                 kwargs["output_router_logits"] = True

@@ -1,11 +1,10 @@
 """Dynamo shims: the backend registry, the module being compiled, where each graph input came
 from and whether it is a module's state (backend, passes/attention/model_facts.py and
-input_roles.py, checks/inputs.py), and the compiled graphs' globals a reset leaves behind
-(loong_compile/testing.py, between calls on kept ranks)."""
+input_roles.py, checks/inputs.py), the compiled graphs' globals a reset leaves behind
+(loong_compile/testing.py, between calls on kept ranks), and forward hooks Dynamo would break
+the graph at (loong_compile/hf/trainer.py)."""
 
 from __future__ import annotations
-
-import re
 
 import torch
 
@@ -19,12 +18,6 @@ def register_dynamo_backend(name: str, compiler_fn) -> None:
 
     if name not in registry._COMPILER_FNS:
         registry.register_backend(compiler_fn=compiler_fn, name=name)
-
-
-# The root of a Dynamo source path: a local or a global, then indices or keys
-# (``L['self']``, ``L['args'][0]``, ``G['model']``), before the module attributes.
-_SOURCE_ROOT = re.compile(r"^([LG])\['([^']*)'\]")
-_SOURCE_INDEX = re.compile(r"\[(\d+)\]|\['([^']*)'\]")
 
 
 def _current_frame():
@@ -50,31 +43,15 @@ def dynamo_frame_self():
     return frame_self if isinstance(frame_self, torch.nn.Module) else None
 
 
-def frame_root(path: str):
-    """The object at the root of a Dynamo source path in the frame being compiled, or None.
-
-    ``path`` is what ``nn_module_stack`` records: ``L['self'].layers.0`` for a model's own
-    forward, ``L['args'][0].model.layers.0`` when a decorator wraps ``forward`` (transformers
-    5.24), ``G['model'].layers.0`` or ``L['model'].layers.0`` for a step function that calls
-    the model.  The root is the local or global with its indices, before the first attribute.
-    Checked against torch 2.11-2.15 (``InstructionTranslator.f_locals`` / ``f_globals``).
-    """
+def frame_variable(scope: str, name: str):
+    """The local (``scope`` "L") or global ("G") ``name`` of the frame being compiled, or None:
+    where a module path starts (``L['self']``, ``L['args']``, ``G['model']``; the path itself is
+    parsed by passes/fx/module_paths.py).  Checked against torch 2.11-2.15
+    (``InstructionTranslator.f_locals`` / ``f_globals``)."""
     tx = _current_frame()
-    match = _SOURCE_ROOT.match(path)
-    if tx is None or match is None:
+    if tx is None or scope not in ("L", "G"):
         return None
-    scope = getattr(tx, "f_locals" if match.group(1) == "L" else "f_globals", None) or {}
-    if match.group(2) not in scope:
-        return None
-    value, position = scope[match.group(2)], match.end()
-    while (step := _SOURCE_INDEX.match(path, position)) is not None:
-        index, key = step.groups()
-        try:
-            value = value[int(index)] if index is not None else value[key]
-        except (IndexError, KeyError, TypeError):
-            return None
-        position = step.end()
-    return value
+    return (getattr(tx, "f_locals" if scope == "L" else "f_globals", None) or {}).get(name)
 
 
 def placeholder_sources(gm) -> list[str | None]:
@@ -129,3 +106,19 @@ def drop_installed_globals() -> None:
         for hook in hooks:
             hook.scope.pop(hook.name, None)
     manager.clear()   # drops the weak references too: no hook runs again when a code dies
+
+
+def forward_hooks_named(module: torch.nn.Module, names: tuple[str, ...],
+                        remove: bool = False) -> int:
+    """How many of ``module``'s forward hooks are functions named one of ``names``; with
+    ``remove``, removed too.  A hook whose handle its installer overwrote (transformers'
+    ``enable_input_require_grads`` called twice keeps the second handle only) has no other way
+    out than ``nn.Module._forward_hooks``.  Checked against torch 2.11-2.15 (the two dicts a
+    forward hook's ``RemovableHandle`` also clears)."""
+    keys = [key for key, hook in module._forward_hooks.items()
+            if getattr(hook, "__name__", None) in names]
+    for key in keys if remove else ():
+        del module._forward_hooks[key]
+        module._forward_hooks_with_kwargs.pop(key, None)
+        module._forward_hooks_always_called.pop(key, None)
+    return len(keys)

@@ -13,7 +13,8 @@ checkpoints are those of one process training with ``dp`` replicas (docs/usage.m
 * ``__init__``: ``parallelize`` (this module): the checks, the mesh, the compiled step;
 * ``refusals``: the Trainer features refused by name;
 * ``batches``: a collated batch cut into a rank's tokens;
-* ``trainer``: the Trainer methods it replaces, and why.
+* ``trainer``: the Trainer methods it replaces, and why;
+* ``blocks``: ``compile_blocks(model, **options)``, a model compiled block by block.
 
 Needs the ``hf`` extra: ``pip install ".[hf]"`` in a clone of this repository.
 """
@@ -25,7 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["parallelize"]
+from loong_compile.hf.blocks import compile_blocks
+
+__all__ = ["compile_blocks", "parallelize"]
 
 
 def parallelize(trainer, hp: int = 1, cp: int = 1, *, pad_to_multiple_of: int | None = None,
@@ -38,7 +41,8 @@ def parallelize(trainer, hp: int = 1, cp: int = 1, *, pad_to_multiple_of: int | 
     Args:
         trainer: a ``transformers.Trainer`` or a subclass whose ``compute_loss``,
             ``training_step``, ``prediction_step`` and ``get_batch_samples`` are the Trainer's
-            or TRL's SFTTrainer's (``refusals.REPLACED_METHODS``).
+            or TRL's SFTTrainer's (``refusals.REPLACED_METHODS``); its model a causal LM,
+            or one with PEFT LoRA adapters (``get_peft_model``, ``SFTTrainer(peft_config=)``).
         hp, cp: head-parallel and context-parallel degrees; ``world`` must be a multiple of
             ``hp·cp``.
         pad_to_multiple_of: every batch's rows are padded on the right (pads labelled

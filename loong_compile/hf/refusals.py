@@ -145,11 +145,44 @@ def _refuse_trainer_features(trainer) -> None:
 def _refuse_model(model: torch.nn.Module) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    model = _under_adapters(model)
     name = type(model).__name__
     if name not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() or model.config.is_encoder_decoder:
         _refuse(f"model {name}", "parallelize trains causal language models (the next-token loss, "
                 "labels shifted over the whole sequence)",
-                "use an AutoModelForCausalLM model (PEFT-wrapped models are not yet supported)")
+                "use an AutoModelForCausalLM model, or one wrapped by PEFT's get_peft_model")
+
+
+def _under_adapters(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under PEFT's wrapper (``get_peft_model``, ``SFTTrainer(peft_config=...)``), once
+    its adapters are LoRA computed token by token; a model without one as it is."""
+    try:
+        from peft import PeftModel, PeftType
+    except ImportError:
+        return model
+    if not isinstance(model, PeftModel):
+        return model
+    for adapter, config in model.peft_config.items():
+        kind = getattr(config.peft_type, "value", config.peft_type)
+        if config.peft_type != PeftType.LORA:
+            _refuse(f"PEFT adapter {adapter!r} of type {kind}",
+                    "parallelize supports LoRA (LoraConfig), whose adapters change a layer's "
+                    "weights token by token; prompt learning (prompt, prefix, p-tuning) adds "
+                    "virtual tokens the ranks' cut of the sequence does not hold, and the other "
+                    "adapter types are not yet tested across ranks",
+                    "use peft.LoraConfig, or train without parallelize")
+        if getattr(config, "alora_invocation_tokens", None):
+            _refuse(f"PEFT adapter {adapter!r} with alora_invocation_tokens (activated LoRA)",
+                    "activated LoRA searches the whole sequence for its invocation tokens, and "
+                    "a rank holds only its share of it",
+                    "drop alora_invocation_tokens (plain LoRA), or train without parallelize")
+        if getattr(config, "use_dora", False):
+            _refuse(f"PEFT adapter {adapter!r} with use_dora=True (DoRA)",
+                    "not yet supported: Dynamo breaks the graph in PEFT's DoRA layer "
+                    "(peft/utils/integrations.py), and the pieces around the break mix tokens "
+                    "outside the attention the backend rewrites",
+                    "use_dora=False (plain LoRA), or train without parallelize")
+    return model.get_base_model()
 
 
 def _is_iterable(dataset) -> bool:

@@ -16,6 +16,9 @@ one all-reduce over the ``dp·hp·cp`` ranks (the world the mesh spans) divided 
 * ``set_fsdp_gradient_divide_factor(model, mesh)``, once after ``fully_shard``: FSDP2's
   reduce-scatter over all ranks divides by ``dp`` instead of the world size, so the loss needs
   no scaling by ``sp``.
+
+Both reduce only what trains: ``reduce_gradients`` the parameters with ``requires_grad``, FSDP2
+the gradients its backward produced (a frozen parameter has none).
 """
 
 from __future__ import annotations
@@ -37,12 +40,15 @@ def reduce_gradients(parameters: torch.nn.Module | Iterable[torch.nn.Parameter],
     """Sum every gradient over the ranks of its sequence and average it over the ``dp``
     replicas of ``mesh`` (an ``init_mesh`` mesh), in place, in coalesced buckets.
 
-    Equal to ``dist.all_reduce(p.grad); p.grad /= mesh.dp`` for each parameter.  Parameters
-    without a gradient are left without one; ``check_ranks`` first checks, with one small
-    all-reduce, that every rank has gradients for the same parameters (else
-    ``LoongRankMismatchError`` on every rank, instead of a hang).
+    Equal to ``dist.all_reduce(p.grad); p.grad /= mesh.dp`` for each parameter that trains
+    (``requires_grad``).  A frozen parameter (a PEFT model's base weights) is left as it is: a
+    gradient it kept from before it was frozen is no new one to sum, and summing it again at
+    every step would multiply it by the ranks.  Parameters without a gradient are left without
+    one; ``check_ranks`` first checks, with one small all-reduce, that every rank has gradients
+    for the same parameters (else ``LoongRankMismatchError`` on every rank, instead of a hang).
     """
-    params = list(parameters.parameters() if isinstance(parameters, torch.nn.Module) else parameters)
+    params = [p for p in (parameters.parameters() if isinstance(parameters, torch.nn.Module)
+                          else parameters) if p.requires_grad]
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise LoongConfigError(f"bucket_bytes={bucket_bytes!r}", "the bucket size is a positive byte count",
                                f"pass e.g. bucket_bytes={DEFAULT_BUCKET_BYTES}")

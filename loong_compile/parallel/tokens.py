@@ -34,10 +34,17 @@ from loong_compile.parallel.rules import sequence_divisor, sequence_violation  #
 
 IGNORE_INDEX = -100
 
-# id -> weak reference of the input ids of every batch shard_batch cut from packed documents (a
-# document starting after a row's first token): a graph that numbers its tokens itself (called
-# without position_ids) cannot see those documents, and checks.inputs refuses such a call
-_PACKED_INPUT_IDS: dict[int, weakref.ref] = {}
+# What shard_batch made, for the checks of what a compiled graph receives (loong_compile/checks):
+# the facts a tensor's values do not show, told by the tensor itself (or a view of it), never by
+# reading its values.  Each fact is what makes some call silently wrong:
+# - PACKED: input ids of rows holding documents that start inside them (document_ids= or
+#   cu_seqlens=): their documents live in the position ids only;
+# - PADDED: input ids of rows with padding (attention_mask with zeros);
+# - SHIFTED: labels shifted by one token over the whole sequence, which labels= must not get
+#   (transformers shifts labels= itself).
+PACKED, PADDED, SHIFTED = "packed documents", "padding", "shifted labels"
+# id -> (weak reference, facts) of every tensor with a fact that is still alive
+_MADE: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
 
 
 def check_sequence_length(seq_len: int, cp: int, hp: int) -> None:
@@ -159,8 +166,10 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, mesh, *,
                             pad_token_id)
     else:
         sharded = _in_layout(input_ids, labels, starts, attention_mask, index)
-    if starts is not None and bool(starts[:, 1:].any()):
-        _remember_packed(sharded.input_ids)
+    packed = starts is not None and bool(starts[:, 1:].any())
+    padded = sharded.attention_mask is not None and not bool(attention_mask.bool().all())
+    _remember(sharded.input_ids, *([PACKED] if packed else []), *([PADDED] if padded else []))
+    _remember(sharded.labels, SHIFTED)
     return sharded
 
 
@@ -181,18 +190,32 @@ def _in_layout(input_ids: torch.Tensor, labels: torch.Tensor | None, starts: tor
     return ShardedBatch(input_ids[:, index], position_ids, shifted, mask, num_labels)
 
 
-def _remember_packed(input_ids: torch.Tensor) -> None:
-    key = id(input_ids)
-    _PACKED_INPUT_IDS[key] = weakref.ref(input_ids, lambda _: _PACKED_INPUT_IDS.pop(key, None))
+def _remember(tensor: torch.Tensor | None, *facts: str) -> None:
+    if tensor is None or not facts:
+        return
+    key = id(tensor)
+
+    def forget(ref: weakref.ref) -> None:
+        if _MADE.get(key, (None,))[0] is ref:   # not a newer tensor at the same id
+            del _MADE[key]
+
+    _MADE[key] = (weakref.ref(tensor, forget), frozenset(facts))
 
 
-def cut_from_packed_documents(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is the ``input_ids`` of a batch ``shard_batch`` cut from packed
-    documents (given as ``document_ids`` or ``cu_seqlens``, a document starting inside a row):
-    such tokens are exact only with the batch's ``position_ids``, where the model finds the
-    documents."""
-    ref = _PACKED_INPUT_IDS.get(id(tensor))
-    return ref is not None and ref() is tensor
+def made_with(tensor: torch.Tensor, fact: str) -> bool:
+    """Whether ``tensor`` is, or is a view of, a tensor ``shard_batch`` made with ``fact``
+    (``PACKED``, ``PADDED``, ``SHIFTED``).  A copy is not followed (``.clone()``, ``.to()``
+    another device): telling it would mean reading its values."""
+    for candidate in (tensor, getattr(tensor, "_base", None)):
+        entry = _MADE.get(id(candidate)) if candidate is not None else None
+        if entry is not None and entry[0]() is candidate and fact in entry[1]:
+            return True
+    return False
+
+
+def alive_with(fact: str) -> bool:
+    """Whether some tensor ``shard_batch`` made with ``fact`` is still alive in this process."""
+    return any(fact in facts and ref() is not None for ref, facts in list(_MADE.values()))
 
 
 def _balanced(input_ids: torch.Tensor, labels: torch.Tensor | None, starts: torch.Tensor,

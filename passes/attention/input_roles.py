@@ -38,12 +38,12 @@ import torch.nn.functional as F
 from loong_compile._compat.dynamo import is_module_state
 from loong_compile.passes.attention.mask_proof import (
     PADDING, POSITIONS, MaskMeaning, MaskNotProven, MaskSubgraph)
+# the fact the attention pass provides: {graph input index: how it was found to be positions}
+from loong_compile.passes.base import POSITION_INPUTS
 from loong_compile.passes.fx.op_sets import ANGLES
 from loong_compile.passes.fx.subgraphs import Scope
 
-# The fact the attention pass provides: {graph input index: how it was found to be positions}.
-POSITION_INPUTS = "position_inputs"
-# and whether the graph computes documents in the balanced order exactly (checks/inputs.py):
+# The fact of whether the graph computes documents in the balanced order exactly (checks/inputs.py):
 # every attention call causal, its mask documents from the positions without key padding
 BALANCED_EXACT = "balanced_documents_exact"
 ROPE, DOCUMENTS, KEY_PADDING = "RoPE's angle", "the masks' documents", "the masks' key padding"

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from loong_compile._compat.dynamo import dynamo_frame_self, frame_root
-from loong_compile.passes.fx.module_paths import module_path_parts
+from loong_compile._compat.dynamo import dynamo_frame_self, frame_variable
+from loong_compile.passes.fx.module_paths import ModulePath, follow_module_path, parse_module_path
+
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
@@ -28,7 +29,8 @@ def compiled_module(gm: torch.fx.GraphModule) -> torch.nn.Module | None:
         return frame_self
     for node in gm.graph.nodes:
         for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-            root = frame_root(str(path))
+            parsed = parse_module_path(str(path))
+            root = _path_root(parsed) if parsed is not None else None
             if isinstance(root, torch.nn.Module):
                 return root
     return None
@@ -41,23 +43,28 @@ def traced_in(node: torch.fx.Node) -> str | None:
 
 
 def module_of(root: torch.nn.Module | None, node: torch.fx.Node) -> torch.nn.Module | None:
-    """The innermost module a node was traced in, walked along its module path from the
-    path's root in the compiled frame (whatever Dynamo named it: ``L['self']``,
-    ``L['args'][0]``, ``G['model']``) or else from ``root``; ``root`` itself for code outside
-    every submodule; None where the path leads nowhere."""
+    """The innermost module a node was traced in, reached along its module path as the traced
+    code reached it (passes/fx/module_paths.py: attributes, PEFT's ``__dict__['_modules']``,
+    a list's or dict's items) from the path's root in the compiled frame (whatever Dynamo
+    named it: ``L['self']``, ``L['args'][0]``, ``G['model']``) or else from ``root``; ``root``
+    itself for code outside every submodule; None where the path leads nowhere."""
     path = traced_in(node)
     if path is None:
         return root
-    # the path's own root first: a step function may call more than one module
-    start = frame_root(path)
-    module: Any = start if isinstance(start, torch.nn.Module) else root
-    if module is None:
+    parsed = parse_module_path(path)
+    if parsed is None:
         return None
-    for name in module_path_parts(path):
-        module = getattr(module, name, None)
-        if module is None:
-            return None
+    # the path's own root first: a step function may call more than one module
+    start = _path_root(parsed)
+    start = start if isinstance(start, torch.nn.Module) else root
+    module = follow_module_path(start, parsed.steps) if start is not None else None
     return module if isinstance(module, torch.nn.Module) else None
+
+
+def _path_root(parsed: ModulePath):
+    """The object a module path starts from, in the frame being compiled; None outside it."""
+    variable = frame_variable(parsed.scope, parsed.variable)
+    return None if variable is None else follow_module_path(variable, parsed.root_steps)
 
 
 class UnknownLayerType(ValueError):

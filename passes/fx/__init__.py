@@ -9,7 +9,10 @@ module              what it answers
 ``walks``           what a value comes from or only goes to; the backward's nodes; graph order
 ``tokens``          the tokens per rank of a Dynamo graph; whether an axis holds tokens
 ``subgraphs``       the graph and the higher-order-op bodies a dynamo pass walks
-``module_paths``    a node's source line and module path; the layer it belongs to
+``module_paths``    a node's source line; its module path parsed and followed to the module
+                    (attributes, PEFT's ``__dict__['_modules']``, items); the layer it belongs to
+``batch_view``      whether a graph receives anything of the batch (token ids, positions it
+                    makes, a proven mask's documents)
 ``emit``            adding a call with its fake value and its source metadata
 ``autocast``        the dtype autocast casts to at each node
 ``aten_ops``        attention, collective and random ops of AOTAutograd's graphs; FLOPs

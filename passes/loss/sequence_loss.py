@@ -36,8 +36,12 @@ emits:    ``loong_compile.ops.sequence.next_token_labels(labels, v, **mesh.docum
           slice (the pad removed); ``loss(reduction="sum") / sequence_label_count(target,
           ignore_index, sp_group)`` for each mean.
 provides: ``LABELS_SHIFTED`` (``ctx.state``): whether a shift was rewritten (the input check
-          refuses the balanced order then).
-reports:  each shift (source line, label shape, fill) and each mean (source line, ignore_index).
+          refuses the balanced order then); ``SHIFTED_LABEL_INPUTS`` (``ctx.state``): the graph
+          inputs the shifted labels are (through casts, copies and views), which the input check
+          refuses when they are ``shard_batch``'s already shifted labels
+          (``loong_compile/checks/labels.py``).
+reports:  each shift (source line, label shape, fill, the graph input it reads) and each mean
+          (source line, ignore_index).
 """
 
 from __future__ import annotations
@@ -53,27 +57,34 @@ from loong_compile.passes.base import PassContext, ShardedPass
 from loong_compile.passes.fx.emit import insert_dynamo_call
 from loong_compile.passes.fx.module_paths import source_line
 from loong_compile.passes.fx.nodes import example_value, node_arg, op_name
-from loong_compile.passes.fx.op_sets import LOSSES
+from loong_compile.passes.fx.op_sets import COPIES, DTYPE_CASTS, INT_CASTS, LOSSES, VIEWS
 from loong_compile.passes.fx.tokens import counts_tokens, local_token_count
 
-# The fact: True when a label shift was rewritten into the layout's exchange.
+# The facts: True when a label shift was rewritten into the layout's exchange; and the indices
+# of the graph inputs those labels are.
 LABELS_SHIFTED = "labels_shifted"
+SHIFTED_LABEL_INPUTS = "shifted_label_inputs"
+# what labels pass through unchanged in value on their way from the caller to the shift
+# (``labels.to(logits.device)``, ``.long()``, ``.view(-1, T)``)
+_KEEPS_LABELS = COPIES | DTYPE_CASTS | INT_CASTS | VIEWS
 
 
 class SequenceLossPass(ShardedPass):
     name = "sequence_loss"
     stage = "dynamo"
-    provides = (LABELS_SHIFTED,)
+    provides = (LABELS_SHIFTED, SHIFTED_LABEL_INPUTS)
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
         graph = gm.graph
         tokens = local_token_count(gm)
-        shifts, means = [], []
+        shifts, means, read = [], [], []
         if tokens is not None:
             for pad in [n for n in graph.nodes if op_name(n) == "pad"]:
                 shifted = _shift(pad, tokens)
                 if shifted is not None:
-                    shifts.append(_rewrite_shift(graph, pad, *shifted, ctx))
+                    read.append(_caller_input(shifted[0]))
+                    shifts.append(_rewrite_shift(graph, pad, *shifted, ctx)
+                                  | {"input": getattr(read[-1], "name", None)})
             for loss in [n for n in graph.nodes if op_name(n) in LOSSES]:
                 if _is_token_mean(loss, tokens):
                     means.append(_rewrite_mean(graph, loss, ctx))
@@ -81,6 +92,8 @@ class SequenceLossPass(ShardedPass):
             graph.lint()
             gm.recompile()
         ctx.state[LABELS_SHIFTED] = bool(shifts)
+        inputs = list(graph.find_nodes(op="placeholder"))
+        ctx.state[SHIFTED_LABEL_INPUTS] = sorted({inputs.index(n) for n in read if n is not None})
         return {"matched": len(shifts) + len(means), "changed": len(shifts) + len(means),
                 "label_shifts": shifts, "means": means}
 
@@ -127,6 +140,16 @@ def _rewrite_shift(graph: torch.fx.Graph, pad: torch.fx.Node, labels: torch.fx.N
     graph.erase_node(pad)
     return {"node": new.name, "source": source_line(new), "labels": labels.name,
             "shape": list(example_value(labels).shape), "fill": fill}
+
+
+def _caller_input(labels: torch.fx.Node) -> torch.fx.Node | None:
+    """The graph input ``labels`` is, through what keeps its values; None for labels the graph
+    computes."""
+    node = labels
+    while node.op in ("call_method", "call_function") and op_name(node) in _KEEPS_LABELS \
+            and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node if node.op == "placeholder" else None
 
 
 def _is_token_mean(loss: torch.fx.Node, tokens: Any) -> bool:

@@ -4,19 +4,21 @@ Contract
 --------
 stage:    dynamo, after ``attention_2d`` (which fixes the tokens per rank) and before
           ``token_locality`` (which then lets the new op combine tokens)
-applies:  when ``hp * cp > 1``
-requires: ``example_value`` on the Dynamo graph's nodes
+applies:  when ``hp * cp > 1``; at ``hp = cp = 1`` where the graph has a positions input (the op
+          then reads no token of an earlier document, as under hp·cp > 1: ``regions.ScanPass``)
+requires: ``example_value`` on the Dynamo graph's nodes; uses ``position_inputs`` (the
+          documents: ``passes/scans/documents.py``)
 matches:  in the graph and its inline higher-order-op bodies (activation checkpointing), a
           ``conv1d`` over ``(B, C, T)`` with ``T`` this rank's tokens, depthwise (``groups = C``,
           weight ``(C, 1, k)``), stride and dilation 1, ``padding = k-1``, whose every use is
           ``[..., :T]``: what transformers' ``causal_conv1d_fn`` torch fallback (Qwen3-Next,
           Qwen3.5, LFM2, Mamba-2's mixers) and ``nn.Conv1d(padding=k-1)(x)[..., :T]`` compute
 provides: ``scan_sites``: each matched call is ``ops.scans.causal_conv.causal_conv1d`` over the
-          sequence's ranks (its halo exchanged, exact)
-refuses:  nothing: a convolution that does not match is left for ``token_locality``, which
-          refuses it by name
-reports:  each rewritten call (module, source line, channels, kernel) and the bytes it sends to
-          each other rank per call (docs/attention.md, "Scans")
+          sequence's ranks (its halo exchanged, exact; within each packed document)
+refuses:  nothing itself: a convolution that does not match is left for ``token_locality``, which
+          refuses it by name; the documents as ``gated_delta``'s
+reports:  each rewritten call (module, source line, channels, kernel), the documents it keeps
+          apart, and the bytes it sends to each other rank per call (docs/attention.md, "Scans")
 """
 
 from __future__ import annotations
@@ -30,38 +32,47 @@ import torch.nn.functional as F
 
 from loong_compile.ops.scans.causal_conv import causal_conv1d, halo_bytes
 from loong_compile.ops.scans.exchange import group_runs
-from loong_compile.passes.base import SCAN_SITES, PassContext, ShardedPass, add_exact_mixers
+from loong_compile.passes.base import SCAN_SITES, PassContext, add_exact_mixers
 from loong_compile.passes.fx.emit import copy_source_meta, insert_dynamo_call
 from loong_compile.passes.fx.module_paths import module_path, source_line
 from loong_compile.passes.fx.nodes import example_value, node_arg
 from loong_compile.passes.fx.subgraphs import graph_scopes
 from loong_compile.passes.fx.tokens import local_token_count
+from loong_compile.passes.scans.documents import documents_for
+from loong_compile.passes.scans.regions import ONE_RANK_WITHOUT_DOCUMENTS, ScanPass, scan_mesh
 
 CONV1D = (torch.conv1d, F.conv1d)
 
 
-class CausalConvPass(ShardedPass):
+class CausalConvPass(ScanPass):
     name = "causal_conv"
-    stage = "dynamo"
-    provides = (SCAN_SITES,)
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
         add_exact_mixers(ctx, SCAN_SITES, (causal_conv1d,))
         tokens = local_token_count(gm)
-        found = [(scope, node) for scope in graph_scopes(gm) if scope.inline
+        scopes = graph_scopes(gm)
+        found = [(scope, node) for scope in scopes if scope.inline
                  for node in scope.module.graph.nodes
                  if node.op == "call_function" and node.target in CONV1D and _causal(node, tokens)]
         if not found:
-            return {"matched": 0, "changed": [], "tokens_per_rank": tokens}
+            return {"matched": 0, "changed": [], "kept": [], "tokens_per_rank": tokens}
         # each rank's place in the group is read at run time, and the group's name is a keyword
         # ending in _group (which the ranks' graph comparison leaves out): one graph on every rank
-        kwargs = ctx.mesh.scan_kwargs() | {"group_rank": None}
+        kwargs = scan_mesh(ctx).scan_kwargs() | {"group_rank": None}
         runs = max(len(r) for r in group_runs(tokens * len(kwargs["places"]), kwargs["hp"],
                                               kwargs["cp"], kwargs["places"]))
-        changed = [_rewrite(scope.module.graph, node, kwargs, runs) for scope, node in found]
+        changed, kept = [], []
+        for scope, node in found:
+            documents, how = documents_for(gm, ctx, scope, scopes, node)
+            if documents is None and ctx.config.sp == 1:
+                kept.append({"module": module_path(node), "source": source_line(node),
+                             "reason": ONE_RANK_WITHOUT_DOCUMENTS})
+                continue
+            changed.append(_rewrite(scope.module.graph, node, kwargs | {"documents": documents}, runs)
+                           | {"documents": how})
         for scope in {id(scope): scope for scope, _ in found}.values():
             scope.module.recompile()
-        return {"matched": len(changed), "changed": changed, "tokens_per_rank": tokens}
+        return {"matched": len(found), "changed": changed, "kept": kept, "tokens_per_rank": tokens}
 
 
 def _causal(conv: torch.fx.Node, tokens: int) -> bool:

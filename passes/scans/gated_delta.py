@@ -3,8 +3,10 @@
 Contract
 --------
 stage:    dynamo, after ``causal_conv`` and before ``token_locality``
-applies:  when ``hp * cp > 1``
-requires: ``example_value`` and ``stack_trace`` on the Dynamo graph's nodes
+applies:  when ``hp * cp > 1``; at ``hp = cp = 1`` where the graph has a positions input (the
+          op then resets at each document start, as under hp·cp > 1: ``regions.ScanPass``)
+requires: ``example_value`` and ``stack_trace`` on the Dynamo graph's nodes; uses
+          ``position_inputs`` (the documents: ``passes/scans/documents.py``)
 matches:  the nodes Dynamo traced inside one call of transformers' torch fallback
           ``torch_chunk_gated_delta_rule`` (its chunk loop unrolled over this rank's tokens),
           in the graph and its inline higher-order-op bodies: a region whose inputs are five
@@ -15,10 +17,12 @@ matches:  the nodes Dynamo traced inside one call of transformers' torch fallbac
           keys' l2 norm: whichever agrees) within float32 round-off.
 provides: ``scan_sites``: each matched region is ``ops.scans.gated_scan.gated_delta_rule`` (the state
           exchanged between the sequence's ranks; under hp > 1 the heads split over the HP group)
-refuses:  nothing: a region that does not match is left for ``token_locality``, which refuses it
-          by name
+refuses:  nothing itself: a region that does not match is left for ``token_locality``, which
+          refuses it by name; the documents: several positions inputs (``LoongUnsupportedError``),
+          and at run time rows in the balanced order or unreadable (``ops/scans/documents.py``)
 reports:  each rewritten call (module, heads, head dims, whether it l2-normalises), its proof
-          error, and the bytes it sends to each other rank of its CP group per call
+          error, the documents it resets at, and the bytes it sends to each other rank of its CP
+          group per call
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ class GatedDeltaPass(FunctionRegionPass):
     function = FUNCTION
     op = gated_delta_rule
 
-    def rewrite(self, graph: torch.fx.Graph, region: list[torch.fx.Node], mesh) -> dict[str, Any]:
+    def rewrite(self, graph: torch.fx.Graph, region: list[torch.fx.Node], mesh,
+                documents: torch.fx.Node | None) -> dict[str, Any]:
         inputs = region_inputs(region)
         if len(inputs) != 5:
             raise NotMatched(f"it reads {len(inputs)} values (expected query, key, value, decay and "
@@ -58,7 +63,7 @@ class GatedDeltaPass(FunctionRegionPass):
         call = replace_region(graph, region, exit_node, gated_delta_rule,
                               (query, key, value, g, beta, l2norm),
                               {"hp": mesh.hp, "cp": mesh.cp, "hp_group": mesh.group_names["hp"],
-                               "cp_group": mesh.group_names["dkv_outer"]})
+                               "cp_group": mesh.group_names["dkv_outer"], "documents": documents})
         batch, tokens, heads, dv = example_value(value).shape
         dk = example_value(key).shape[-1]
         runs = runs_per_rank(tokens, mesh)

@@ -3,8 +3,10 @@
 Contract
 --------
 stage:    dynamo, after ``causal_conv`` and before ``token_locality``
-applies:  when ``hp * cp > 1``
-requires: ``example_value`` and ``stack_trace`` on the Dynamo graph's nodes
+applies:  when ``hp * cp > 1``; at ``hp = cp = 1`` where the graph has a positions input (the
+          op then resets at each document start, as under hp·cp > 1: ``regions.ScanPass``)
+requires: ``example_value`` and ``stack_trace`` on the Dynamo graph's nodes; uses
+          ``position_inputs`` (the documents: ``passes/scans/documents.py``)
 matches:  the nodes Dynamo traced inside one call of transformers' torch fallback
           ``mamba2_chunk_scan`` (chunked SSD over this rank's tokens), in the graph and its inline
           higher-order-op bodies: a region that reads seven tensors (in the order the function
@@ -14,10 +16,12 @@ matches:  the nodes Dynamo traced inside one call of transformers' torch fallbac
           without the softplus on dt, its clamp read from the region) within float32 round-off.
 provides: ``scan_sites``: each matched region is ``ops.scans.gated_scan.mamba2_scan`` (the state
           exchanged between the sequence's ranks; under hp > 1 the heads split over the HP group)
-refuses:  nothing: a region that does not match is left for ``token_locality``, which refuses it
-          by name
+refuses:  nothing itself: a region that does not match is left for ``token_locality``, which
+          refuses it by name; the documents: several positions inputs (``LoongUnsupportedError``),
+          and at run time rows in the balanced order or unreadable (``ops/scans/documents.py``)
 reports:  each rewritten call (module, heads, head dim, state size, groups, the dt rule read), its
-          proof error, and the bytes it sends to each other rank of its CP group per call
+          proof error, the documents it resets at, and the bytes it sends to each other rank of its
+          CP group per call
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ class Mamba2Pass(FunctionRegionPass):
     function = FUNCTION
     op = mamba2_scan
 
-    def rewrite(self, graph: torch.fx.Graph, region: list[torch.fx.Node], mesh) -> dict[str, Any]:
+    def rewrite(self, graph: torch.fx.Graph, region: list[torch.fx.Node], mesh,
+                documents: torch.fx.Node | None) -> dict[str, Any]:
         inputs = region_inputs(region)
         if len(inputs) != len(ROLES):
             raise NotMatched(f"it reads {len(inputs)} values (expected {', '.join(ROLES)})")
@@ -66,7 +71,7 @@ class Mamba2Pass(FunctionRegionPass):
                               # leaves their names out (they differ by rank)
                               {"dt_softplus": softplus, "dt_min": dt_min, "dt_max": dt_max,
                                "hp": mesh.hp, "cp": mesh.cp, "hp_group": mesh.group_names["hp"],
-                               "cp_group": mesh.group_names["dkv_outer"]})
+                               "cp_group": mesh.group_names["dkv_outer"], "documents": documents})
         batch, tokens, heads, head_dim = x.shape
         groups, state = example_value(role["B"]).shape[2:]
         runs = runs_per_rank(tokens, mesh)

@@ -1,7 +1,7 @@
 """One call of a transformers function, as Dynamo traced it: found by its stack trace, run at
 compile time on real tensors against a candidate op, replaced by one call of it.  What the scans
 stage's passes that match a whole torch fallback share (``gated_delta.py``, ``mamba2.py``: each
-a ``FunctionRegionPass`` with its own ``rewrite``)."""
+a ``FunctionRegionPass`` with its own ``rewrite``), and when they run (``scans_apply``)."""
 
 from __future__ import annotations
 
@@ -12,42 +12,73 @@ import torch.fx
 
 from loong_compile._compat.aot import real_tensors
 from loong_compile.ops.scans.exchange import group_runs
-from loong_compile.passes.base import SCAN_SITES, PassContext, ShardedPass, add_exact_mixers
+from loong_compile.config import LoongConfig
+from loong_compile.parallel.mesh import one_process_mesh
+from loong_compile.passes.base import POSITION_INPUTS, SCAN_SITES, Pass, PassContext, add_exact_mixers
 from loong_compile.passes.fx.emit import copy_source_meta
 from loong_compile.passes.fx.module_paths import module_path
 from loong_compile.passes.fx.nodes import example_value
 from loong_compile.passes.fx.subgraphs import graph_scopes
 from loong_compile.passes.fx.walks import only_returned
+from loong_compile.passes.scans.documents import documents_for
 
 # the scans' regions compute in float32 (transformers casts), their ops too: what differs is the
 # order of the sums (chunks of other lengths), well inside this; another recurrence is off by O(1)
 PROOF_TOLERANCE = 1e-4
 
 
+# on one rank a scan is rewritten only to reset at documents: where the graph has none, the
+# model's own computation is already one process's
+ONE_RANK_WITHOUT_DOCUMENTS = "one process and no documents: the model's own scan computes the same"
+
+
 class NotMatched(Exception):
     """Why a region is left for the token analysis (a sentence)."""
 
 
-class FunctionRegionPass(ShardedPass):
+class ScanPass(Pass):
+    """The scans stage's passes: under ``hp·cp > 1`` every scan they match is rewritten (the
+    exchange between the ranks, and a reset at each document start); on one rank too, where the
+    graph has positions (its scans then reset at documents as under hp·cp > 1 and as the kernels
+    users run with ``cu_seqlens`` / ``seq_idx``, which transformers' torch fallbacks do not)."""
+    stage = "dynamo"
+    provides = (SCAN_SITES,)
+    uses = (POSITION_INPUTS,)
+
+    def enabled(self, config: LoongConfig) -> bool:
+        return True
+
+
+def scan_mesh(ctx: PassContext) -> Any:
+    """The mesh the scans' ops run over (one process's where there is none)."""
+    return ctx.mesh if ctx.mesh is not None else one_process_mesh(ctx.config.placement)
+
+
+class FunctionRegionPass(ScanPass):
     """Each call of ``function`` in the graph and its inline higher-order-op bodies through
     ``rewrite`` into a call of ``op``: its report entry under ``changed``, or why it was left
     under ``kept``."""
     function: str
     op: Callable
-    stage = "dynamo"
-    provides = (SCAN_SITES,)
 
-    def rewrite(self, graph: torch.fx.Graph, region: list[torch.fx.Node], mesh: Any) -> dict[str, Any]:
+    def rewrite(self, graph: torch.fx.Graph, region: list[torch.fx.Node], mesh: Any,
+                documents: torch.fx.Node | None) -> dict[str, Any]:
         raise NotImplementedError
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
         add_exact_mixers(ctx, SCAN_SITES, (self.op,))
         changed, kept = [], []
-        for scope in graph_scopes(gm):
+        scopes = graph_scopes(gm)
+        for scope in scopes:
             regions = function_regions(scope.module.graph, self.function) if scope.inline else []
             for region in regions:
+                documents, how = documents_for(gm, ctx, scope, scopes, region[-1])
+                if documents is None and ctx.config.sp == 1:
+                    kept.append({"module": module_path(region[0]), "reason": ONE_RANK_WITHOUT_DOCUMENTS})
+                    continue
                 try:
-                    changed.append(self.rewrite(scope.module.graph, region, ctx.mesh))
+                    changed.append(self.rewrite(scope.module.graph, region, scan_mesh(ctx), documents)
+                                   | {"documents": how})
                 except NotMatched as why:
                     kept.append({"module": module_path(region[0]), "reason": str(why)})
             if regions:

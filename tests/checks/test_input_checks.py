@@ -24,7 +24,7 @@ import loong_compile as lc
 from helpers import error_of, still_in_step
 from loong_compile._compat.distributed import resolve_process_group
 from loong_compile.parallel.tokens import local_token_indices, mesh_token_indices
-from loong_compile.checks.inputs import Verdict, classify, describe, refused
+from loong_compile.checks.positions import Verdict, classify, describe, refused
 from loong_compile.testing import run_distributed
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multirank' leaves it out)

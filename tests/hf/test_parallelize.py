@@ -47,6 +47,13 @@ def tiny_llama(vocab: int) -> torch.nn.Module:
     return example.build_model(vocab, dim=32, layers=1, seed=0)
 
 
+def lora_config():
+    """LoRA on attention and MLP projections, PEFT's defaults otherwise (B starts at 0)."""
+    from peft import LoraConfig
+
+    return LoraConfig(target_modules=["q_proj", "v_proj", "up_proj"], r=4, lora_alpha=8)
+
+
 def text_rows(count: int, length: int, offset: int = 0) -> list[dict]:
     """Rows of ``length`` characters of the standard library's source, as token ids."""
     text = "\n".join(example.stdlib_lines(3000))
@@ -116,7 +123,8 @@ def _build(case: dict, out: str, replicas: int):
 
         return SFTTrainer(model=tiny_llama(len(tokenizer)), args=args, processing_class=tokenizer,
                           train_dataset=Dataset.from_dict({"text": texts[:64]}),
-                          eval_dataset=Dataset.from_dict({"text": texts[64:]}))
+                          eval_dataset=Dataset.from_dict({"text": texts[64:]}),
+                          peft_config=lora_config() if case.get("lora") else None)
     vocab = len(example.char_tokenizer())
     args = TrainingArguments(**common)
     if case["rows"] == "packed":   # DataCollatorWithFlattening: position ids restart per document
@@ -217,6 +225,14 @@ SFT_CASES = {
                                   "pad_to": BATCH * 32},
     "sft, padding, hp=2 x cp=2": {"trainer": "sft", "rows": "padded", "mesh": (2, 2), "pad_to": 48},
 }
+# SFTTrainer(peft_config=LoraConfig(...)): the base frozen (its weights compared too), the
+# adapters trained, saved as PEFT saves them
+LORA_CASES = {
+    "sft, LoRA, packing, hp=2 x cp=2": {**SFT_CASES["sft, packing, hp=2 x cp=2"], "lora": True,
+                                        "save": True},
+    "sft, LoRA, packing, hp=1 x cp=2, dp=2": {**SFT_CASES["sft, packing, hp=1 x cp=2, dp=2"],
+                                              "lora": True},
+}
 
 
 def _run_family(cases: dict, tmp_path) -> None:
@@ -239,17 +255,25 @@ def _run_family(cases: dict, tmp_path) -> None:
 
 def _check_saved(path: Path, want_params: dict) -> None:
     """from_pretrained in this process: the trained weights (no compile-wrapper prefixes) give
-    one process's logits."""
+    one process's logits and loss; an adapter (PEFT's files) on the base it was trained on."""
     from transformers import LlamaForCausalLM
 
-    loaded = LlamaForCausalLM.from_pretrained(path)
-    assert not any("_orig_mod" in k or "model.model." in k for k in loaded.state_dict())
-    reference_model = tiny_llama(loaded.config.vocab_size)
+    vocab = len(example.char_tokenizer())
+    if (path / "adapter_config.json").exists():   # PEFT's keys: base_model.model.model.layers...
+        from peft import PeftModel, get_peft_model
+
+        loaded = PeftModel.from_pretrained(tiny_llama(vocab), path)
+        reference_model = get_peft_model(tiny_llama(vocab), lora_config())
+    else:
+        loaded, reference_model = LlamaForCausalLM.from_pretrained(path), tiny_llama(vocab)
+        assert not any("model.model." in k for k in loaded.state_dict())
+    assert not any("_orig_mod" in k for k in loaded.state_dict())
     reference_model.load_state_dict(want_params)
     ids = torch.stack([r["input_ids"] for r in text_rows(2, 30, offset=60)])
     with torch.no_grad():
-        got, want = loaded(ids).logits, reference_model(ids).logits
-    assert ((got - want).norm() / want.norm()).item() <= TOLERANCE
+        got, want = loaded(ids, labels=ids), reference_model(ids, labels=ids)
+    assert ((got.logits - want.logits).norm() / want.logits.norm()).item() <= TOLERANCE
+    assert relative([got.loss.item()], [want.loss.item()]) <= TOLERANCE
 
 
 def test_trainer_equals_one_process(tmp_path):
@@ -264,6 +288,12 @@ def test_sft_trainer_equals_one_process(tmp_path):
     """trl.SFTTrainer with packing (BFD, padding-free rows: position ids per document) over 2
     replicas, and with padding (attention mask, right-padded rows) at hp=2 x cp=2."""
     _run_family(SFT_CASES, tmp_path)
+
+
+def test_sft_trainer_with_lora_equals_one_process(tmp_path):
+    """SFTTrainer(peft_config=LoraConfig(...), packing=True) at hp=2 x cp=2 (the adapter saved,
+    loaded with PeftModel.from_pretrained) and at hp=1 x cp=2 with 2 replicas."""
+    _run_family(LORA_CASES, tmp_path)
 
 
 # ---- the example --------------------------------------------------------------------------

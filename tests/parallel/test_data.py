@@ -9,10 +9,14 @@ from hypothesis import strategies as st
 
 from loong_compile.parallel.tokens import (
     IGNORE_INDEX,
+    PACKED,
+    PADDED,
+    SHIFTED,
+    alive_with,
     check_sequence_length,
-    cut_from_packed_documents,
     gather_sequence,
     local_token_indices,
+    made_with,
     mesh_token_indices,
     sequence_divisor,
     shard_batch,
@@ -160,23 +164,36 @@ def test_shard_batch_packed_positions_restart_at_every_document():
         assert shard_batch(ids, None, mesh).attention_mask is None
 
 
-def test_input_ids_cut_from_packed_documents_are_known_as_such():
-    """What the made-positions check asks (a model called without position_ids cannot see
-    packed documents): the input ids of a batch cut from documents that start inside a row, in
-    the layout's order and the balanced order; not a batch of one document per row, not a copy."""
+def test_shard_batch_remembers_what_its_values_do_not_show():
+    """What the input checks ask of a tensor a compiled graph receives, told by the tensor (or a
+    view of it), not its values: input ids cut from documents that start inside a row (the
+    layout's order and the balanced order; not one document per row), of rows with padding, and
+    labels shifted over the sequence; not a copy, not another output, not once the batch is gone."""
     ids = torch.arange(2 * 16).reshape(2, 16)
     one_per_row = torch.tensor([[0] * 16, [1] * 16])
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[0, -3:] = 0
     for mesh in _four_rank_meshes():
         packed = shard_batch(ids, ids, mesh, cu_seqlens=torch.tensor([0, 3, 11, 16]))
         balanced = shard_batch(ids, ids, mesh, document_ids=torch.tensor([[0] * 8 + [1] * 8] * 2),
                                balance_documents=True)
-        assert cut_from_packed_documents(packed.input_ids)
-        assert cut_from_packed_documents(balanced.input_ids)
-        assert not cut_from_packed_documents(packed.input_ids.clone())
-        assert not cut_from_packed_documents(packed.position_ids)
-        assert not cut_from_packed_documents(shard_batch(ids, ids, mesh).input_ids)
-        assert not cut_from_packed_documents(
-            shard_batch(ids, ids, mesh, document_ids=one_per_row).input_ids)
+        plain = shard_batch(ids, ids, mesh)
+        padded = shard_batch(ids, ids, mesh, attention_mask=padding)
+        assert made_with(packed.input_ids, PACKED) and made_with(balanced.input_ids, PACKED)
+        assert made_with(packed.input_ids[:, 1:], PACKED)   # a view
+        assert not made_with(packed.input_ids.clone(), PACKED)
+        assert not made_with(packed.position_ids, PACKED)
+        assert not made_with(plain.input_ids, PACKED) and not made_with(plain.input_ids, PADDED)
+        assert not made_with(shard_batch(ids, ids, mesh, document_ids=one_per_row).input_ids,
+                             PACKED)
+        assert made_with(padded.input_ids, PADDED) and not made_with(padded.input_ids, PACKED)
+        assert not made_with(shard_batch(ids, ids, mesh, attention_mask=torch.ones_like(ids)
+                                         ).input_ids, PADDED)
+        assert made_with(plain.labels, SHIFTED) and made_with(plain.labels.view(-1), SHIFTED)
+        assert not made_with(plain.input_ids, SHIFTED) and not made_with(ids, SHIFTED)
+        assert alive_with(PACKED) and alive_with(PADDED)
+        del packed, balanced, padded
+        assert not alive_with(PACKED) and not alive_with(PADDED)
 
 
 @pytest.mark.parametrize("kwargs,what", [

@@ -73,9 +73,14 @@ def reduce_worker(rank: int, world: int, layouts: list[tuple[int, int]], with_fs
                     })
     mesh = lc.init_mesh(hp=layouts[0][0], cp=layouts[0][1])
     params = parameters_with(rank_gradients(rank, "float32", True))
+    # frozen, with a gradient kept from before (on rank 0 only): neither summed nor a mismatch
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    frozen.grad = torch.full((3,), 2.0) if rank == 0 else None
+    params.append(frozen)
     params.append(torch.nn.Parameter(torch.ones(3)))          # no gradient on any rank: left alone
     lc.reduce_gradients(params, mesh)
     out["untouched_stays_none"] = params[-1].grad is None
+    out["frozen_untouched"] = (frozen.grad is None if rank else torch.equal(frozen.grad, torch.full((3,), 2.0)))
     params[-1].grad = torch.ones(3) if rank == 0 else None    # a gradient on rank 0 only
     try:
         lc.reduce_gradients(params, mesh)
@@ -86,12 +91,13 @@ def reduce_worker(rank: int, world: int, layouts: list[tuple[int, int]], with_fs
     return out
 
 
-def linear_model(dtype: torch.dtype, on_grid: bool) -> torch.nn.Module:
+def linear_model(dtype: torch.dtype, on_grid: bool, frozen: bool = False) -> torch.nn.Module:
     g = torch.Generator().manual_seed(7)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(dtype)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randint(-4, 5, p.shape, generator=g) / 4 if on_grid else torch.randn(p.shape, generator=g))
+    model[0].weight.requires_grad_(not frozen)
     return model
 
 
@@ -110,17 +116,24 @@ def fsdp_checks(rank: int, world: int, mesh) -> dict:
 
     out = {}
     for dtype, on_grid in ((torch.float64, True), (torch.float32, False)):
-        replicated = linear_model(dtype, on_grid)
+        # float32: the first weight frozen (an adapter's base): FSDP2 reduces what trains only
+        frozen = dtype == torch.float32
+        replicated = linear_model(dtype, on_grid, frozen)
         local_loss(replicated, rank, dtype, on_grid).backward()
         lc.reduce_gradients(replicated, mesh)
-        sharded = linear_model(dtype, on_grid)
+        sharded = linear_model(dtype, on_grid, frozen)
         world_mesh = init_device_mesh("cpu", (world,))
         for layer in sharded:
             fully_shard(layer, mesh=world_mesh)
         fully_shard(sharded, mesh=world_mesh)
         lc.set_fsdp_gradient_divide_factor(sharded, mesh)
         local_loss(sharded, rank, dtype, on_grid).backward()
-        pairs = [(a.grad, b.grad.full_tensor()) for a, b in zip(replicated.parameters(), sharded.parameters())]
+        trained = [(a, b) for a, b in zip(replicated.parameters(), sharded.parameters())
+                   if a.requires_grad]
+        assert all(p.grad is None for p in [*replicated.parameters(), *sharded.parameters()]
+                   if not p.requires_grad)
+        assert len(trained) == 4 - frozen
+        pairs = [(a.grad, b.grad.full_tensor()) for a, b in trained]
         out[str(dtype)] = {"equal": [torch.equal(a, b) for a, b in pairs],
                            "error": [((a - b).abs().max() / a.abs().max()).item() for a, b in pairs]}
         try:
@@ -140,7 +153,7 @@ def check(result: dict, world: int) -> None:
         else:
             for dtype, error in zip(case["dtypes"], case["error"]):
                 assert error <= TOLERANCE[dtype], (label, dtype, error)
-    assert result["untouched_stays_none"]
+    assert result["untouched_stays_none"] and result["frozen_untouched"]
     assert "have a gradient on some ranks only" in result["errors"]["mismatch"]
 
 

@@ -17,6 +17,12 @@ the runs before its own in sequence order into the state each of its runs starts
 correct its outputs.  Backward is autograd's through the same computation (the state's gradient
 reaches the earlier runs' ranks through the exchange's reduce-scatter).
 
+Packed documents: the state is zero again at each document start, as the kernels users run
+reset it (``ops/scans/documents.py``): a start at token ``t`` is ``exp(g_t) = 0``, and the chunked
+form keeps it exact by masking every decay across a start (``_chunk_terms``) rather than by an
+infinite log-decay, whose running sums would be ``-inf - (-inf)``.  A run holding a start then has
+``M = 0``, so the fold over the runs carries nothing from before it, on any rank.
+
 ``gated_delta_rule`` and ``mamba2_scan`` are what the scans stage emits for transformers'
 ``torch_chunk_gated_delta_rule`` and ``mamba2_chunk_scan`` (passes/scans/gated_delta.py,
 mamba2.py): their input layouts and float32 compute around ``gated_scan``, the heads split over
@@ -29,6 +35,7 @@ import torch
 from torch import Tensor
 
 from loong_compile.ops.attention.alltoall import seq_all_to_all
+from loong_compile.ops.scans.documents import document_starts, run_documents
 from loong_compile.ops.scans.exchange import (gather_summaries, group_runs, my_place, pick, place_tensor,
                                               same_run_lengths)
 
@@ -39,40 +46,47 @@ CHUNK = 64
 
 def gated_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, delta: bool,
                chunk: int, hp: int, cp: int, places: list[tuple[int, int]], group_rank: int | None,
-               scan_group: str) -> Tensor:
+               scan_group: str, documents: Tensor | None = None) -> Tensor:
     """``q``, ``k`` ``(B, H, T, dk)``, ``v`` ``(B, H, T, dv)``, ``g`` and ``beta`` ``(B, H, T)``: this
     rank's ``T`` tokens in local order (queries already scaled as the model scales them).  One
     process's outputs ``(B, H, T, dv)`` of the whole sequence's recurrence from a zero state, at
-    this rank's tokens.  ``hp``, ``cp``, ``places``, ``group_rank`` (or None:
-    ``scan_exchange.my_place``), ``scan_group``: ``LoongMesh.scan_kwargs``."""
+    this rank's tokens; with ``documents`` (``(B, S)``: ``ops/scans/documents.py::scan_documents``
+    of the whole sequence) from a zero state at each document start.  ``hp``, ``cp``, ``places``,
+    ``group_rank`` (or None: ``scan_exchange.my_place``), ``scan_group``: ``LoongMesh.scan_kwargs``."""
     size = len(places)
     runs = group_runs(q.size(2) * size, hp, cp, places)
     # where the runs are alike, the start states of every rank's runs, this rank's picked at run time
     me = 0 if size == 1 else None if same_run_lengths(runs) else my_place(group_rank, scan_group, size)
+    place = place_tensor(group_rank, scan_group, size, q.device) if me is None else None
+    starts = [None] * len(runs[me or 0]) if documents is None else \
+        [document_starts(n) for n in run_documents(documents, runs, 1, place, me)]
     summaries, offset = [], 0
-    for _, length in runs[me or 0]:
+    for (_, length), run_starts in zip(runs[me or 0], starts):
         part = slice(offset, offset + length)
         summaries.append(run_summary(q[:, :, part], k[:, :, part], v[:, :, part], g[:, :, part],
-                                     None if beta is None else beta[:, :, part], delta, chunk))
+                                     None if beta is None else beta[:, :, part], delta, chunk,
+                                     run_starts))
         offset += length
     every = _start_states(runs, [(m, n) for _, _, m, n in summaries], size, scan_group)
     if me is None:
-        place = place_tensor(group_rank, scan_group, size, q.device)
-        starts = [pick(torch.stack([rank_starts[j] for rank_starts in every]), place)
+        states = [pick(torch.stack([rank_states[j] for rank_states in every]), place)
                   for j in range(len(runs[0]))]
     else:
-        starts = every[me]
-    return torch.cat([o0 + qeff @ start for (o0, qeff, _, _), start in zip(summaries, starts)], 2)
+        states = every[me]
+    return torch.cat([o0 + qeff @ state for (o0, qeff, _, _), state in zip(summaries, states)], 2)
 
 
 def gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
-                     l2norm: bool, hp: int, cp: int, hp_group: str, cp_group: str) -> Tensor:
+                     l2norm: bool, hp: int, cp: int, hp_group: str, cp_group: str,
+                     documents: Tensor | None = None) -> Tensor:
     """transformers' ``torch_chunk_gated_delta_rule`` (fla's ``chunk_gated_delta_rule``) of the
     whole sequence from a zero state, at this rank's tokens: ``query``, ``key`` ``(B, T, Hk, dk)``,
     ``value`` ``(B, T, Hv, dv)``, ``g`` and ``beta`` ``(B, T, Hv)`` -> ``(B, T, Hv, dv)`` in
-    ``query``'s dtype, computed in float32 as transformers does.  Under ``hp > 1`` the heads are
-    split over the HP group by the all-to-all attention uses, and each rank scans its CP shard
-    over the CP group (``hp_group``, ``cp_group``: ``LoongMesh.document_kwargs()``'s)."""
+    ``query``'s dtype, computed in float32 as transformers does; with ``documents``
+    (``scan_documents``' ``(B, S)``) from a zero state at each document start, as fla's
+    ``cu_seqlens=``.  Under ``hp > 1`` the heads are split over the HP group by the all-to-all
+    attention uses, and each rank scans its CP shard over the CP group (``hp_group``,
+    ``cp_group``: ``LoongMesh.document_kwargs()``'s)."""
     dtype, heads = query.dtype, value.size(2)
     # the gradients leave in the inputs' own layout: the transposed layout the scan's would have
     # reaches a cat in the model's backward, whose output strides eager and fake tensors
@@ -87,7 +101,8 @@ def gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta:
     if l2norm:
         query, key = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (query, key))
     out = gated_scan(query * query.size(-1) ** -0.5, key, value, g, beta, True, CHUNK, hp=1, cp=cp,
-                     places=[(c, 0) for c in range(cp)], group_rank=None, scan_group=cp_group)
+                     places=[(c, 0) for c in range(cp)], group_rank=None, scan_group=cp_group,
+                     documents=documents)
     out = out.transpose(1, 2)
     if hp > 1:
         out = seq_all_to_all([out], 1, 2, hp, hp_group)[0]
@@ -96,14 +111,15 @@ def gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta:
 
 def mamba2_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
                 dt_softplus: bool, dt_min: float, dt_max: float, hp: int, cp: int, hp_group: str,
-                cp_group: str) -> Tensor:
+                cp_group: str, documents: Tensor | None = None) -> Tensor:
     """transformers' ``mamba2_chunk_scan`` (Mamba-2's SSD, mamba_ssm's
     ``mamba_chunk_scan_combined``; Falcon-H1, Bamba, NemotronH, Zamba2) of the whole sequence
     from a zero state, at this rank's tokens: ``x`` ``(B, T, H, P)``, ``dt`` ``(B, T, H)``, ``A``,
     ``D`` and ``dt_bias`` ``(H,)``, ``B`` and ``C`` ``(B, T, G, N)`` -> ``(B, T, H, P)``, computed
     in float32 as transformers does (the skip term ``D x`` in ``D``'s dtype where wider).  The
     step is the gated recurrence without the delta rule: ``k = B``, ``q = C``, ``v = x dt``,
-    ``g = A dt``.  Heads and groups as ``gated_delta_rule``'s."""
+    ``g = A dt``.  Heads, groups and ``documents`` (mamba_ssm's ``seq_idx=``) as
+    ``gated_delta_rule``'s."""
     x, dt, B, C = (_ContiguousGrad.apply(t) for t in (x, dt, B, C))
     dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:
@@ -117,7 +133,7 @@ def mamba2_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
         tensors = seq_all_to_all(tensors, 2, 1, hp, hp_group)
     q, k, v, g = (t.transpose(1, 2).contiguous() for t in tensors)
     out = gated_scan(q, k, v, g, None, False, CHUNK, hp=1, cp=cp, places=[(c, 0) for c in range(cp)],
-                     group_rank=None, scan_group=cp_group).transpose(1, 2)
+                     group_rank=None, scan_group=cp_group, documents=documents).transpose(1, 2)
     if hp > 1:
         out = seq_all_to_all([out], 1, 2, hp, hp_group)[0]
     return (out + skip).contiguous()    # token-major, as transformers' (callers view it)
@@ -133,9 +149,11 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def run_summary(q, k, v, g, beta, delta: bool, chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def run_summary(q, k, v, g, beta, delta: bool, chunk: int,
+                starts: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One run of consecutive tokens from a zero state: ``(o0, qeff, M, N)`` (module docstring);
-    ``M`` is ``(B, H, dk, dk)`` with ``delta``, ``(B, H, 1, 1)`` without."""
+    ``M`` is ``(B, H, dk, dk)`` with ``delta``, ``(B, H, 1, 1)`` without.  ``starts`` ``(B, T)``:
+    the tokens that start a document (the state before each is dropped), or None."""
     batch, heads, _, dk = k.shape
     if delta:
         M = torch.eye(dk, dtype=k.dtype, device=k.device).expand(batch, heads, dk, dk)
@@ -146,7 +164,8 @@ def run_summary(q, k, v, g, beta, delta: bool, chunk: int) -> tuple[Tensor, Tens
     for first in range(0, q.size(2), chunk):
         part = slice(first, first + chunk)
         block = _chunk_terms(q[:, :, part], k[:, :, part], v[:, :, part], g[:, :, part],
-                             None if beta is None else beta[:, :, part], delta)
+                             None if beta is None else beta[:, :, part], delta,
+                             None if starts is None else starts[:, part])
         read, intra, values, k_cum, k_decayed, decay = block
         if delta:   # a query reads the state through the deltas the chunk wrote before it
             read = read - intra @ k_cum
@@ -161,22 +180,34 @@ def run_summary(q, k, v, g, beta, delta: bool, chunk: int) -> tuple[Tensor, Tens
     return torch.cat(outputs, 2), torch.cat(effective, 2), M, N
 
 
-def _chunk_terms(q, k, v, g, beta, delta: bool):
+def _chunk_terms(q, k, v, g, beta, delta: bool, starts: Tensor | None):
     """The within-chunk terms of the chunked form (transformers' ``torch_chunk_gated_delta_rule``,
     fla's ``chunk_gated_delta_rule``): the queries decayed to the chunk start, the causal
     decayed scores, the values (with the delta rule: solved through the chunk's unit lower
     triangular system, and the keys that read the start state likewise), the keys decayed to the
-    chunk end, and the chunk's whole decay."""
+    chunk end, and the chunk's whole decay.  With ``starts`` ``(B, L)`` every decay across a
+    document start is zero: between two tokens of different documents, from the chunk start to a
+    token after a start, from a token to the chunk end past a start."""
     # the log-decays summed in float64: a decay between two tokens is the difference of two
     # sums that grow with the chunk (-150 and -148, say), and float32 would keep that difference
     # of 2 to 1e-5 only (measured: 3e-7 of the output at chunks of 64, 1e-7 at 4, against 1e-16)
     dtype, cumulative = q.dtype, g.to(torch.float64).cumsum(-1)
     length = g.size(-1)
     causal = torch.ones(length, length, dtype=torch.bool, device=g.device).tril()
+    # each token's document within the chunk (0: the one the chunk's start state belongs to)
+    segment = None if starts is None else starts.cumsum(-1).unsqueeze(1)
+    if segment is not None:
+        causal = causal & (segment.unsqueeze(-1) == segment.unsqueeze(-2))
     pairwise = (cumulative.unsqueeze(-1) - cumulative.unsqueeze(-2)).masked_fill(
         ~causal, float("-inf")).exp().to(dtype)
     intra = (q @ k.transpose(-1, -2)) * pairwise
-    from_start = cumulative.exp().to(dtype).unsqueeze(-1)     # each token's decay since the chunk start
+    to_end, whole = (cumulative[..., -1:] - cumulative).exp(), cumulative[..., -1].exp()
+    from_start = cumulative.exp()       # each token's decay since the chunk start
+    if segment is not None:
+        from_start = from_start * (segment == 0)
+        to_end = to_end * (segment == segment[..., -1:])
+        whole = whole * (segment[..., -1] == 0)
+    from_start = from_start.to(dtype).unsqueeze(-1)
     values, k_cum = v, None
     if delta:
         k_beta = k * beta.unsqueeze(-1)
@@ -186,8 +217,8 @@ def _chunk_terms(q, k, v, g, beta, delta: bool):
         k_cum = torch.linalg.solve_triangular(system, k_beta * from_start, upper=False,
                                               unitriangular=True)
     read = q * from_start
-    k_decayed = k * (cumulative[..., -1:] - cumulative).exp().to(dtype).unsqueeze(-1)
-    return read, intra, values, k_cum, k_decayed, cumulative[..., -1].exp().to(dtype)[..., None, None]
+    k_decayed = k * to_end.to(dtype).unsqueeze(-1)
+    return read, intra, values, k_cum, k_decayed, whole.to(dtype)[..., None, None]
 
 
 def _start_states(runs, transitions, size: int, scan_group: str) -> list[list[Tensor]]:
