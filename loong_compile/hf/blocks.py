@@ -72,16 +72,21 @@ def _deferring(factory: Callable) -> Callable:
     return deferred
 
 
+@functools.cache
+def _mask_factories() -> tuple[Callable, ...]:
+    """``masking_utils``' mask factories (``create_*mask``), read once."""
+    from transformers import masking_utils
+
+    return tuple(getattr(masking_utils, name) for name in dir(masking_utils)
+                 if name.startswith("create_") and name.endswith("mask"))
+
+
 @contextlib.contextmanager
 def _masks_deferred(namespace: dict[str, Any]) -> Iterator[None]:
     """Within: the names of ``namespace`` (a modeling module's globals) bound to a
     ``masking_utils`` mask factory return ``DeferredMask`` instead."""
-    from transformers import masking_utils
-
-    factories = {getattr(masking_utils, name) for name in dir(masking_utils)
-                 if name.startswith("create_") and name.endswith("mask")}
     bound = {name: value for name, value in namespace.items()
-             if callable(value) and any(value is f for f in factories)}
+             if callable(value) and any(value is f for f in _mask_factories())}
     try:
         namespace.update({name: _deferring(value) for name, value in bound.items()})
         yield

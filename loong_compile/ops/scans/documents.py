@@ -68,17 +68,15 @@ def run_documents(numbers: Tensor, runs: list[list[tuple[int, int]]], before: in
     (those before the sequence's start read as its first token's).  ``place``: this rank's place
     as a tensor, read at run time where every rank's runs are alike (``exchange.same_run_lengths``),
     else ``me``, its place."""
+    def positions(first: int, length: int) -> Tensor:
+        return torch.arange(first - before, first + length, device=numbers.device).clamp_min(0)
+
     out = []
     for j in range(len(runs[0] if place is not None else runs[me])):
-        def positions(first: int, length: int) -> list[int]:
-            return [max(p, 0) for p in range(first - before, first + length)]
-
         if place is not None:
-            every = torch.tensor([positions(*rank_runs[j]) for rank_runs in runs],
-                                 device=numbers.device)
-            index = pick(every, place)
+            index = pick(torch.stack([positions(*rank_runs[j]) for rank_runs in runs]), place)
         else:
-            index = torch.tensor(positions(*runs[me][j]), device=numbers.device)
+            index = positions(*runs[me][j])
         out.append(numbers.index_select(1, index))
     return out
 
