@@ -24,12 +24,18 @@ SEQ_OF = {"lfm2": 56}
 WINDOW_SHARD, WINDOW_SHORT, WINDOW_LONG = 16, 32, 64
 # the models computed in float32: their experts' grouped_mm has no float64 kernel on CPU
 FLOAT32_MODELS = MOE + ("gpt_oss", "llama4")
-# every architecture gets the habits that depend on its code; the habits that depend on
-# transformers' shared code (masks, caches) or on ours run on four architectures
-HABITS_EVERY_ARCH = ("plain", "labels", "shift_labels", "no_position_ids")
+# every architecture gets the habits that depend on its code (labels=: its head's logits, which
+# some scale or softcap; no position ids: the positions it makes); the habits that depend on
+# transformers' shared code (masks, caches, the loss given shift_labels=) or on ours run on four
+# architectures
+HABITS_EVERY_ARCH = ("plain", "labels", "no_position_ids")
+# the scan models' own code is their mixers, which labels= does not reach (their heads are
+# plain): plain rows and the positions their attention layers make, labels= on one
+SCAN_HABITS = ("plain", "no_position_ids")
 # grad_ckpt: transformers' default (use_reentrant=False); eval_no_grad: the forward alone under
 # torch.no_grad() in eval mode, the logits compared too
-HABITS_SAMPLED = ("labels_no_position_ids", "use_cache_false", "grad_ckpt", "grad_ckpt_reentrant",
+HABITS_SAMPLED = ("shift_labels", "labels_no_position_ids", "use_cache_false", "grad_ckpt",
+                  "grad_ckpt_reentrant",
                   "padding", "packed",
                   "packed_use_cache_false", "bf16", "autocast_bf16", "no_shard_batch",
                   "eval_no_grad")
@@ -60,11 +66,15 @@ class Case:
     attn: str = "sdpa"
     window: int | None = None
     habit: str = "plain"
+    # how the model is compiled: "model" (torch.compile of the whole model), "blocks"
+    # (lc.hf.compile_blocks) or "by_hand" (each decoder layer's .compile(backend=...))
+    compile: str = "model"
 
     @property
     def name(self) -> str:
         window = f"-w{self.window}" if self.window else ""
-        return f"{self.arch}-{self.attn}{window}-{self.habit}"
+        way = "" if self.compile == "model" else f"-{self.compile}"
+        return f"{self.arch}-{self.attn}{window}-{self.habit}{way}"
 
 
 LOSS_IN_GRAPH_CASES = [Case("llama", habit="loss_in_graph"), Case("gemma3", habit="loss_in_graph"),
@@ -113,7 +123,8 @@ def all_cases() -> list[Case]:
     # labels=batch.labels: shard_batch's labels, shifted over the whole sequence, where
     # transformers expects unshifted ones (it would shift them twice): refused on every rank
     cases += [Case("llama", habit="batch_labels")]
-    cases += [Case(arch, habit=habit) for arch in SCAN_ARCHITECTURES for habit in HABITS_EVERY_ARCH]
+    cases += [Case(arch, habit=habit) for arch in SCAN_ARCHITECTURES for habit in SCAN_HABITS]
+    cases += [Case("qwen3_next", habit="labels")]
     # a bf16 model: the scans' proofs run the region in the model's dtypes (its casts are constants)
     cases += [Case("qwen3_next", habit="bf16"), Case("falcon_h1", habit="bf16")]
     # packed documents through the scans, each from a zero state as the kernels users run (issue

@@ -6,6 +6,7 @@ passes did, or the ``LoongError`` it raised), and the matrix's cells batched int
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -51,7 +52,7 @@ def _distributed_step(case: Case, hp: int, cp: int, extra_options: dict | None =
     if case.habit.startswith("grad_ckpt"):
         options["allow_graphs_without_attention"] = True
     reports = []
-    compiled = torch.compile(model, backend=lc.LoongBackend(options, on_report=reports.append))
+    compiled = _compiled(case, model, options, reports)
     seq = seq_len(case.arch)
     ids = token_ids(seq=seq)
     documents = packed_documents() if case.habit.startswith("packed") else None
@@ -99,6 +100,22 @@ def _distributed_step(case: Case, hp: int, cp: int, extra_options: dict | None =
         else:
             loss = summed_loss(compiled(inputs, **kwargs).logits, labels, count)
     return (*_summed_over_ranks(loss, model), work_done(reports))
+
+
+def _compiled(case: Case, model: torch.nn.Module, options: dict, reports: list) -> torch.nn.Module:
+    """The case's model compiled as users do (``Case.compile``): whole, block by block with
+    ``lc.hf.compile_blocks`` (its reports are not collected: its graphs are compiled through the
+    "loong" string), or each decoder layer by hand, the masks and the loss left outside."""
+    import loong_compile as lc
+
+    if case.compile == "blocks":
+        return lc.hf.compile_blocks(model, **options)
+    backend = lc.LoongBackend(options, on_report=reports.append)
+    if case.compile == "by_hand":
+        for layer in model.model.layers:
+            layer.compile(backend=backend)
+        return model
+    return torch.compile(model, backend=backend)
 
 
 def work_done(reports: list) -> dict:
@@ -178,6 +195,9 @@ def run_case(rank: int, world: int, hp: int, cp: int, case: Case,
     and run_distributed names the rank.  ``extra_options`` go to the backend beside the mesh
     (e.g. Inductor and a policy).  ``TRUST_MATRIX_BREAK=<case name>:<rank>`` makes that
     rank raise in that case (how a broken cell reads in pytest's output)."""
+    # an earlier cell's batch, held by a reference cycle of its compiled model, would count as
+    # alive for the blocks' check (checks/blocks.py): a process runs one job at a time here
+    gc.collect()
     if os.environ.get("TRUST_MATRIX_BREAK") == f"{case.name}:{rank}":
         raise RuntimeError(f"{case.name} broken on purpose on rank {rank} (TRUST_MATRIX_BREAK)")
     try:

@@ -1,11 +1,13 @@
 """Blocks compiled on their own, by hand (issue 51): exact where a block sees what it needs,
 refused by name on every rank where it cannot (``loong_compile/checks/blocks.py``).
 
-``model.model.layers[i].compile(backend="loong", ...)``: transformers builds the masks outside the
-blocks, eagerly, from each rank's own tokens.  Plain rows need no mask and are exact; a batch of
-packed documents or of padded rows would give a rank without a document start, or without a
-padded token, plain causal attention across the sequence's documents or onto its padding --
-refused on both ranks, before the blocks' first collective.
+``model.model.layers[i].compile(backend="loong", ...)``: transformers builds the masks and the
+loss outside the blocks, eagerly, from each rank's own tokens.  Plain rows need no mask and are
+exact, the loss computed over the whole sequence (here by the test, and by transformers given
+``shift_labels=`` and the sequence's count); a batch of packed documents or of padded rows would
+give a rank without a document start, or without a padded token, plain causal attention across
+the sequence's documents or onto its padding, and ``labels=`` would be shifted and averaged
+within each rank -- refused on both ranks, before the blocks' first collective.
 """
 
 from __future__ import annotations
@@ -34,9 +36,19 @@ def _blocks_compiled(case: Case, hp: int, cp: int) -> torch.nn.Module:
     return model
 
 
-def _per_block(rank: int, world: int) -> dict:
+def _summed(loss: torch.Tensor, model: torch.nn.Module) -> tuple[float, dict]:
+    """The loss and the gradients, summed over the ranks."""
     import torch.distributed as dist
 
+    loss = loss.detach()
+    dist.all_reduce(loss)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    for grad in grads.values():
+        dist.all_reduce(grad)
+    return loss.item(), {k: v.numpy() for k, v in grads.items()}
+
+
+def _per_block(rank: int, world: int) -> dict:
     import loong_compile as lc
 
     mesh = lc.init_mesh(hp=1, cp=world)
@@ -47,12 +59,16 @@ def _per_block(rank: int, world: int) -> dict:
     loss = summed_loss(model(batch.input_ids, position_ids=batch.position_ids).logits,
                        batch.labels, label_count())
     loss.backward()
-    loss = loss.detach()
-    dist.all_reduce(loss)
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    for grad in grads.values():
-        dist.all_reduce(grad)
-    out["plain"] = (loss.item(), {k: v.numpy() for k, v in grads.items()})
+    out["plain"] = _summed(loss, model)
+    # transformers' loss around the blocks, eager on this rank's tokens: from labels= refused;
+    # from shift_labels= with the sequence's count (the documented fix), exact
+    out["labels"] = error_of(partial(model, batch.input_ids, position_ids=batch.position_ids,
+                                     labels=batch.input_ids))
+    model.zero_grad()
+    loss = model(batch.input_ids, position_ids=batch.position_ids, labels=batch.labels,
+                 shift_labels=batch.labels, num_items_in_batch=batch.num_labels).loss
+    loss.backward()
+    out["shift_labels"] = _summed(loss, model)
     del batch
     # the rule as the check applies it: blocks called while a batch of packed documents is
     # alive are refused on every rank, whatever they are given (the documented false positive)
@@ -89,8 +105,9 @@ def test_hand_compiled_blocks_are_exact_on_plain_rows_and_refuse_what_they_canno
     from loong_compile.testing import run_distributed
 
     results = run_distributed(_per_block, 2, timeout=240)
-    loss, grads = results[0]["plain"]
-    assert relative_error((loss, grads), reference(PLAIN)) <= tolerance(PLAIN)
+    assert relative_error(results[0]["plain"], reference(PLAIN)) <= tolerance(PLAIN)
+    shift = Case("llama", habit="shift_labels")
+    assert relative_error(results[0]["shift_labels"], reference(shift)) <= tolerance(shift)
     # a mask transformers built outside reaches the block, which cannot prove it: the attention
     # pass refuses it (where a rank has none, the compile check refuses on every rank); no mask
     # on any rank: nothing in the block tells it the batch
@@ -99,7 +116,9 @@ def test_hand_compiled_blocks_are_exact_on_plain_rows_and_refuse_what_they_canno
     mismatch = ("LoongRankMismatchError", ["rank"])
     blind = ("LoongUnsupportedError", ["receives nothing of the batch", "packed documents",
                                        "compile the whole model"])
-    for habit, allowed in (("packed", [built_outside]), ("padding", [built_outside, mismatch]),
+    eager_loss = ("LoongShapeError", ["LlamaForCausalLM.forward(labels=...)", "compile_blocks",
+                                      "shift_labels=batch.labels", "lc.next_token_loss"])
+    for habit, allowed in (("labels", [eager_loss]), ("packed", [built_outside]), ("padding", [built_outside, mismatch]),
                            ("packed_one_start", [built_outside, mismatch]),
                            ("packed_no_mask", [blind, mismatch]),
                            ("plain_beside_packed", [blind])):
