@@ -2,8 +2,11 @@
 
     python benchmarks/longest_sequence.py --model llama3.2-1b --device cuda            # a GPU
     python benchmarks/longest_sequence.py --model tiny --cap-mib 48 --start 256        # CPU
+    python benchmarks/longest_sequence.py --model tiny-1b --cap-mib 256 --start 1024 \
+        --variants loong-sc++ "loong-sc++ +tiles" --tile-tokens 1024                     # tiling
 
-The model is a ``loong plan`` preset (or ``tiny``: 2 layers, width 64, a 256-word vocabulary)
+The model is a ``loong plan`` preset (or ``tiny``: 2 layers, width 64, a 256-word vocabulary;
+``tiny-1b``: Llama-3.2-1B's proportions at 1/16 of its width)
 built with transformers from its shape, random weights, bf16 on CUDA (float32 on CPU), AdamW
 with its states on the device.  A training step is ``model(ids, attention_mask=mask,
 labels=ids).loss`` (a collator's batch: one row, its attention mask all ones) compiled, then
@@ -39,10 +42,14 @@ from lm_head_memory import status_kib
 VARIANTS = {
     "inductor": ("inductor", False, {}, "none"),
     "inductor+ckpt": ("inductor", True, {}, "full"),
-    "loong-none": ("loong", False, {"activations": "none"}, "none"),
-    "loong-sc++": ("loong", False, {"activations": "sc++"}, "sc++"),
-    "loong-memo": ("loong", False, {"activations": "memo"}, "memo"),
-    "loong-memo+plan": ("loong", False, {"activations": "memo", "memory_plan": True}, "memo"),
+    "loong-none": ("loong", False, {"activations": "none", "tile_tokens": 0}, "none"),
+    "loong-sc++": ("loong", False, {"activations": "sc++", "tile_tokens": 0}, "sc++"),
+    "loong-memo": ("loong", False, {"activations": "memo", "tile_tokens": 0}, "memo"),
+    "loong-memo+plan": ("loong", False, {"activations": "memo", "memory_plan": True,
+                                         "tile_tokens": 0}, "memo"),
+    # token tiling (issue 52): the MLPs a tile of --tile-tokens at a time
+    "loong-none+tiles": ("loong", False, {"activations": "none"}, "none"),
+    "loong-sc++ +tiles": ("loong", False, {"activations": "sc++"}, "sc++"),
 }
 RESOLUTION = 16   # bisection stops within 1/RESOLUTION of the longest length that passed
 
@@ -75,6 +82,11 @@ def model_config(name: str):
         return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            attn_implementation="sdpa")
+    if name == "tiny-1b":   # Llama-3.2-1B's proportions (hidden : FFN : vocabulary, head
+        # width 64, 4 query heads a KV head) at 1/16 of its width, two layers
+        return LlamaConfig(vocab_size=8016, hidden_size=128, intermediate_size=512,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=64, attn_implementation="sdpa")
     from loong_compile.estimate.presets import load_model
 
     spec = load_model(name)
@@ -94,6 +106,7 @@ class Step:
     config: object
     device: str
     cap_bytes: int | None
+    tile_tokens: int | str = "auto"   # the "+tiles" variants' option
 
     def __post_init__(self):
         from transformers import AutoModelForCausalLM
@@ -102,6 +115,8 @@ class Step:
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         self.model = AutoModelForCausalLM.from_config(self.config, dtype=dtype).to(self.device)
         backend, checkpointing, options, _ = VARIANTS[self.variant]
+        if self.variant.endswith("+tiles"):
+            options = {**options, "tile_tokens": self.tile_tokens}
         if checkpointing:
             self.model.gradient_checkpointing_enable()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
@@ -187,7 +202,7 @@ def step_flops(config, tokens: int, causal: bool) -> float:
 
 def predicted(model: str, policy: str, hardware) -> int | None:
     """``loong plan --max-seq --gpus 1`` for ``policy`` (None for the tiny model or no GPU)."""
-    if model == "tiny" or hardware is None:
+    if model.startswith("tiny") or hardware is None:
         return None
     from loong_compile.estimate.longest import longest_sequence
     from loong_compile.estimate.presets import load_model
@@ -197,7 +212,7 @@ def predicted(model: str, policy: str, hardware) -> int | None:
 
 def measure(args, variant: str, hardware) -> dict:
     step = Step(variant, model_config(args.model), args.device,
-                None if args.cap_mib is None else args.cap_mib * 2 ** 20)
+                None if args.cap_mib is None else args.cap_mib * 2 ** 20, args.tile_tokens)
     results: dict[int, dict | None] = {}
 
     def fits(tokens: int) -> bool:
@@ -231,6 +246,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--limit", type=int, default=2 ** 21, help="no length beyond it")
     parser.add_argument("--cap-mib", type=int, help="CPU: a step peaking above it fails")
     parser.add_argument("--cap-gib", type=float, help="CUDA: the process's memory cap")
+    parser.add_argument("--tile-tokens", type=lambda v: v if v == "auto" else int(v),
+                        default="auto", help='the "+tiles" variants\' tile_tokens ("auto" or tokens)')
     parser.add_argument("--hardware", help="the estimator's profile (h100, h200) for its prediction")
     parser.add_argument("--peak-tflops", type=float,
                         help="the device's dense bf16 peak for MFU (default: the profile's)")

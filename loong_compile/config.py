@@ -63,9 +63,13 @@ class LoongConfig:
     rank_check_timeout: seconds a rank waits for the others to confirm they compiled the same
         graph before its first collective (then it raises instead of hanging).
     lm_head_chunk: tokens per chunk of the LM head and its loss when the loss is in the graph
-        (``passes/loss/lm_head.py``); ``"auto"``: as many as keep one chunk's float32 logits
+        (``passes/tiling/lm_head.py``); ``"auto"``: as many as keep one chunk's float32 logits
         within 128 MiB, a multiple of 64 (``estimate/lm_head.py::chunk_tokens``, which
         ``loong estimate`` and ``loong plan`` use too).
+    tile_tokens: tokens per tile of a token-local region wider inside than at its edges (an
+        MLP: ``passes/tiling/regions.py``); ``"auto"``: the largest tile whose intermediates fit
+        1 GiB, a multiple of 64 (``estimate/tiling.py::region_tile``), no tiling when all the
+        tokens fit; 0: no tiling.
     """
 
     hp: int = 1
@@ -88,6 +92,7 @@ class LoongConfig:
     token_local_ops: tuple[str, ...] = ()
     rank_check_timeout: float = 300.0
     lm_head_chunk: int | Literal["auto"] = "auto"
+    tile_tokens: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         for key, hint in _TYPES.items():
@@ -177,6 +182,9 @@ _RULES = {
     "lm_head_chunk": _Rule('"auto" or a number of tokens >= 1',
                            'pass lm_head_chunk="auto" or e.g. lm_head_chunk=1024', low=1,
                            env_must='"auto" or an integer >= 1'),
+    "tile_tokens": _Rule('"auto", 0 (no tiling) or a number of tokens >= 1',
+                         'pass tile_tokens="auto", tile_tokens=0 or e.g. tile_tokens=4096', low=0,
+                         env_must='"auto" or an integer >= 0'),
 }
 # a refusal needs words: only a Literal's or a bool's type can give them
 assert all(key in _RULES or hint is bool or typing.get_origin(hint) is Literal

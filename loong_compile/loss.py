@@ -1,6 +1,6 @@
 """The next-token loss, in the form the compiler chunks: compile it with the model.
 
-The LM-head pass (``passes/loss/lm_head.py``) turns the projection to the vocabulary and the
+The LM-head pass (``passes/tiling/lm_head.py``) turns the projection to the vocabulary and the
 loss after it into one token-chunked op, but only when the loss is computed inside the compiled
 graph and the logits are not returned.  ``NextTokenLoss(model)`` is that graph in one line::
 

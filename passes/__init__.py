@@ -5,10 +5,13 @@ stage of the pipeline, in the order they run:
 subpackage             stage(s)                    what it does
 =====================  ==========================  =====================================
 ``attention``          dynamo                      attention calls -> 2D-Attention
+``loss``               dynamo                      the label shift and a loss's mean ->
+                                                   the sequence's
 ``scans``              dynamo                      short convolutions, gated DeltaNet,
                                                    Mamba-2 -> exact ops across ranks
 ``safety``             dynamo                      nothing else mixes a rank's tokens
-``loss``               dynamo                      the LM head and its loss, token-chunked
+``tiling``             dynamo                      token-local regions (an MLP, the LM head
+                                                   and its loss) a tile of tokens at a time
 ``activations``        joint, split                checkpoint / offload / token-slice
                                                    recompute (MEMO)
 ``schedule``           post_grad, schedule         when exchanges and host copies start
@@ -40,7 +43,6 @@ def library_passes() -> list:
     from loong_compile.passes.attention.attention_2d import Attention2DPass
     from loong_compile.passes.attention.eager_attention import EagerAttentionPass
     from loong_compile.passes.attention.made_positions import MadePositionsPass
-    from loong_compile.passes.loss.lm_head import LMHeadLossPass
     from loong_compile.passes.loss.sequence_loss import SequenceLossPass
     from loong_compile.passes.memory_plan.plan_pass import MemoryPlanPass
     from loong_compile.passes.safety.token_locality import TokenLocalityPass
@@ -50,6 +52,8 @@ def library_passes() -> list:
     from loong_compile.passes.schedule.comm_overlap import CommOverlapPass
     from loong_compile.passes.schedule.exchange_order import ExchangeOrderPass
     from loong_compile.passes.schedule.prefetch_order import PrefetchOrderPass
+    from loong_compile.passes.tiling.lm_head import LMHeadLossPass
+    from loong_compile.passes.tiling.regions import TokenTilingPass
 
     return [
         # dynamo
@@ -62,6 +66,7 @@ def library_passes() -> list:
         Mamba2Pass(),
         TokenLocalityPass(),
         LMHeadLossPass(),
+        TokenTilingPass(),
         # joint, split
         SelectiveCheckpointPass(),
         ActivationsPass(),

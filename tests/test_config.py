@@ -10,7 +10,7 @@ GOOD = {
     "resident_layers": 0, "memory_plan": True, "solver_time_limit": 3.5, "dump_dir": "out/",
     "disable_passes": ("attention_2d",), "lowering": "aot_eager", "allow_graphs_without_attention": True,
     "token_local_ops": ("liger::rms_norm",), "rank_check_timeout": 30.0, "lm_head_chunk": 512,
-    "inductor_options": {"cpp.simdlen": 1, "max_autotune": False},
+    "tile_tokens": 4096, "inductor_options": {"cpp.simdlen": 1, "max_autotune": False},
 }
 
 BAD = {
@@ -33,6 +33,7 @@ BAD = {
     "token_local_ops": [["rms_norm"], [3]],
     "rank_check_timeout": [0, -1, "soon"],
     "lm_head_chunk": [0, -4, "big", 1.5, True, None],
+    "tile_tokens": [-1, "big", 1.5, True, None],
     "inductor_options": [{"max_autotuen": True}, [("max_autotune", True)], "max_autotune"],
 }
 
@@ -101,7 +102,7 @@ ENV = {
     "LOONG_SOLVER_TIME_LIMIT": "2", "LOONG_DUMP_DIR": "/tmp/d", "LOONG_DISABLE_PASSES": "a,b",
     "LOONG_LOWERING": "eager", "LOONG_ALLOW_GRAPHS_WITHOUT_ATTENTION": "1",
     "LOONG_TOKEN_LOCAL_OPS": "liger::rms_norm", "LOONG_RANK_CHECK_TIMEOUT": "20",
-    "LOONG_LM_HEAD_CHUNK": "256", "LOONG_INDUCTOR_OPTIONS": '{"cpp.simdlen": 1}', "PATH": "/bin",
+    "LOONG_LM_HEAD_CHUNK": "256", "LOONG_TILE_TOKENS": "0", "LOONG_INDUCTOR_OPTIONS": '{"cpp.simdlen": 1}', "PATH": "/bin",
 }
 
 
@@ -113,7 +114,7 @@ def test_environment_sets_every_key():
                               solver_time_limit=2.0, dump_dir="/tmp/d", disable_passes=("a", "b"),
                               lowering="eager", allow_graphs_without_attention=True,
                               token_local_ops=("liger::rms_norm",), rank_check_timeout=20.0,
-                              lm_head_chunk=256, inductor_options={"cpp.simdlen": 1})
+                              lm_head_chunk=256, tile_tokens=0, inductor_options={"cpp.simdlen": 1})
     assert {f"LOONG_{f.name.upper()}" for f in dataclasses.fields(LoongConfig)} <= set(ENV)
 
 

@@ -121,10 +121,10 @@ def _compiled(case: Case, model: torch.nn.Module, options: dict, reports: list) 
 def work_done(reports: list) -> dict:
     """What the passes did on this rank's graphs: the attention calls rewritten and those kept
     (with why: on one rank, a mask not proven), the nodes sc++ tagged for recompute, the bytes
-    memo offloaded and recomputed, and each memory plan's status (a policy that touched nothing
-    would make its case prove nothing)."""
+    memo offloaded and recomputed, each memory plan's status and the regions token tiling cut
+    (a policy that touched nothing would make its case prove nothing)."""
     done = {"recompute_tags": 0, "host_bytes": 0, "recomputed_bytes": 0, "memory_plan": [],
-            "attention_rewritten": 0, "attention_kept": []}
+            "attention_rewritten": 0, "attention_kept": [], "tiled_regions": 0}
     unique = {id(report): report for report in reports}.values()   # published after each stage
     for record in (r for report in unique for r in report.passes):
         if record.name == "attention_2d":
@@ -137,6 +137,8 @@ def work_done(reports: list) -> dict:
             done["recomputed_bytes"] += record.summary.get("recomputed_bytes", 0)
         elif record.name == "memory_plan":
             done["memory_plan"].append(record.summary["status"])
+        elif record.name == "token_tiling":
+            done["tiled_regions"] += len(record.summary["changed"])
     return done
 
 

@@ -38,9 +38,12 @@ def _memory_options(args, activations="none", alpha=1.0, zero=1, plan_defaults=F
 
     overrides = {name: getattr(args, name) for name in ("cuda_context_gib", "comm_buffers_gib", "fragmentation")
                  if getattr(args, name) is not None}
-    chunk = None if args.unchunked_lm_head or getattr(args, "paper_terms", False) else args.lm_head_chunk
+    paper = getattr(args, "paper_terms", False)
+    chunk = None if args.unchunked_lm_head or paper else args.lm_head_chunk
+    tile = None if args.untiled_mlp or paper else "auto"
     common = dict(activations=activations, alpha=alpha, zero=zero, dtype_bytes=args.dtype_bytes,
-                  usable_fraction=args.usable_fraction, lm_head_chunk=chunk, **overrides)
+                  usable_fraction=args.usable_fraction, lm_head_chunk=chunk, tile_tokens=tile,
+                  **overrides)
     if plan_defaults:
         return MemoryOptions(**common) if args.paper_terms else MemoryOptions.loongtrain(**common)
     return MemoryOptions(exact=args.exact, double_ring_buffers=args.double_ring_buffers,

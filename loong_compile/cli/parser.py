@@ -96,6 +96,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unchunked-lm-head", action="store_true",
                         help="count the LM head's logits of every token (4D eq. 14: the logits "
                              "are a graph output, or the lm_head_loss pass is disabled)")
+    parser.add_argument("--untiled-mlp", action="store_true",
+                        help="count every MLP intermediate (tile_tokens=0, or the MLP under "
+                             "autocast); default: tiled as the compiler's tile_tokens='auto'")
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:

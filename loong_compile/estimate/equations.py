@@ -41,8 +41,10 @@ n_exp = sp.Symbol("E", nonnegative=True, integer=True)
 # Tokens per chunk of the LM head and its loss when the compiler chunks them (the value comes
 # from estimate/lm_head.py::chunk_tokens, the rule the compiler applies).
 chunk = sp.Symbol("C", positive=True, integer=True)
+# Tokens per tile of a tiled MLP (estimate/tiling.py::region_tile, the compiler's rule).
+tile = sp.Symbol("T_tile", positive=True, integer=True)
 SYMBOLS = (h, a, k, f, L, v, s, b, d, t, p, c, hp, stage, beta, alpha, n_ring_buffers, hd, psi_t, psi_r,
-           tied, n_exp, chunk)
+           tied, n_exp, chunk, tile)
 
 FIRST_STAGE = sp.KroneckerDelta(stage, 0)
 LAST_STAGE = sp.KroneckerDelta(stage, p - 1)   # at stage 0 this is the paper's delta_{p,1}
@@ -157,18 +159,29 @@ SC_PP_SAVED = ("layer_input", "attention_output", "softmax_lse")   # LoongTrain 
 PARTITIONER_RECOMPUTES = ("silu_gate",)
 
 
-def counted_tensors(policy: str, exact: bool) -> tuple[LayerTensor, ...]:
+# Token tiling (passes/tiling/regions.py) runs the MLP, from the norm before it, a tile of tokens
+# at a time and keeps only the region's input (``ffn_norm_input``): these are never saved then.
+# tests/estimate/test_estimate_crosscheck.py compares the rest with the compiled graph.
+TILED_AWAY = ("ffn_input", "gate", "up", "silu_gate", "down_input", "ffn_norm_rstd")
+# What one tile of the region holds while it runs (its backward: the recomputed intermediates
+# and their gradients): the norm's output and the four FFN-wide values, twice, per token.
+TILE_WORKING_BYTES = 2 * tile * beta * (h + 4 * f) / t
+
+
+def counted_tensors(policy: str, exact: bool, tiled: bool = False) -> tuple[LayerTensor, ...]:
     """The layer tensors a policy accounts for: eq. 12's, plus the lse under sc++ / memo (their
-    sources count it), plus, when ``exact``, every other tensor the compiled graph saves."""
+    sources count it), plus, when ``exact``, every other tensor the compiled graph saves; with
+    ``tiled``, not those the tiled MLP no longer saves."""
     keep_lse = exact or policy in ("sc++", "memo")
     return tuple(x for x in LAYER_TENSORS
                  if (x.paper or exact or (keep_lse and x.name == "softmax_lse"))
-                 and not (exact and x.name in PARTITIONER_RECOMPUTES))
+                 and not (exact and x.name in PARTITIONER_RECOMPUTES)
+                 and not (tiled and x.name in TILED_AWAY))
 
 
-def stored_tensors(policy: str, exact: bool) -> tuple[LayerTensor, ...]:
+def stored_tensors(policy: str, exact: bool, tiled: bool = False) -> tuple[LayerTensor, ...]:
     """Of ``counted_tensors``, those a layer keeps (on GPU or host) until its backward."""
-    counted = counted_tensors(policy, exact)
+    counted = counted_tensors(policy, exact, tiled)
     if policy == "none":
         return counted
     if policy == "full":
@@ -188,11 +201,13 @@ HELD_LAYERS = (L / p) * (p - stage)
 
 
 def activation_terms(policy: str, exact: bool, working_set: bool, memo_alpha_zero: bool,
-                     lm_head_chunked: bool = False) -> list[Term]:
+                     lm_head_chunked: bool = False, tiled: bool = False) -> list[Term]:
     """Transformer-layer activations under ``policy`` plus the embedding / LM-head terms (the
-    LM head as eq. 14 counts it, or as the compiler's token-chunked op keeps it)."""
-    counted = counted_tensors(policy, exact)
-    stored = stored_tensors(policy, exact)
+    LM head as eq. 14 counts it, or as the compiler's token-chunked op keeps it); with
+    ``tiled``, the MLP run a tile at a time (its intermediates never saved, one tile's working
+    set instead)."""
+    counted = counted_tensors(policy, exact, tiled)
+    stored = stored_tensors(policy, exact, tiled)
     recomputed = [x for x in counted if x not in stored]
     terms = []
     if policy == "none":
@@ -213,6 +228,10 @@ def activation_terms(policy: str, exact: bool, working_set: bool, memo_alpha_zer
     if working_set and recomputed and policy != "memo":     # memo recomputes into its rounding buffer
         terms.append(Term("activations: recompute working set (one layer)", "activations",
                           _bytes(recomputed), "one layer's recomputed tensors live during its backward"))
+    if tiled:
+        terms.append(Term("activations: tiled MLP (one tile)", "activations", TILE_WORKING_BYTES,
+                          "token tiling: one tile's intermediates and their gradients "
+                          "(estimate/tiling.py)"))
     tokens = LOCAL_TOKENS / t
     terms.append(Term("activations: embedding", "activations", FIRST_STAGE * 8 * tokens * h * p,
                       "4D eq. 13 (as printed: 8sbhp)"))
@@ -223,7 +242,7 @@ def activation_terms(policy: str, exact: bool, working_set: bool, memo_alpha_zer
 
 
 # The LM head and its loss as the compiler runs them when the loss is in the graph
-# (passes/loss/lm_head.py): the gradients of the hidden states and of the head's weight are kept
+# (passes/tiling/lm_head.py): the gradients of the hidden states and of the head's weight are kept
 # from the forward to the backward, and one chunk of C tokens' logits exists at a time.
 _HEAD_TOKENS = LOCAL_TOKENS / t
 LM_HEAD_CHUNKED = Term(
@@ -250,11 +269,11 @@ RING_BUFFER_TERM = Term("Double-Ring KV buffers", "buffers", n_ring_buffers * KV
 
 
 def all_terms(zero: int, policy: str, exact: bool, working_set: bool, alpha_zero: bool,
-              ring_buffers: bool, lm_head_chunked: bool = False) -> list[Term]:
+              ring_buffers: bool, lm_head_chunked: bool = False, tiled: bool = False) -> list[Term]:
     """Every term for these switches (see ``MemoryOptions``), symbolic in ``SYMBOLS``."""
     terms = model_state_terms(zero)
     terms += activation_terms(policy, exact, working_set, memo_alpha_zero=alpha_zero,
-                              lm_head_chunked=lm_head_chunked)
+                              lm_head_chunked=lm_head_chunked, tiled=tiled)
     if ring_buffers:
         terms.append(RING_BUFFER_TERM)
     return terms

@@ -1,10 +1,10 @@
 """The LM head and its loss, token-chunked: the chunk size and the bytes it costs.
 
-One place, torch-free, for what the compiler's LM-head pass (``passes/loss/lm_head.py``, which
+One place, torch-free, for what the compiler's LM-head pass (``passes/tiling/lm_head.py``, which
 calls ``chunk_tokens`` for the chunk it emits) and the estimator (the ``activations: LM head``
 term of ``estimate/equations.py``, ``loong estimate`` / ``loong plan``) must agree on.
 
-The chunked op (``loong_compile/ops/lm_head.py``) computes the loss and its gradients chunk by
+The chunked op (``loong_compile/ops/tiling/lm_head.py``) computes the loss and its gradients chunk by
 chunk of ``C`` tokens during the forward (docs/architecture.md, "The LM head and the loss").
 What it costs:
 
@@ -25,6 +25,8 @@ from typing import Any
 
 import sympy as sp
 
+from loong_compile.estimate.tiling import tile_tokens
+
 # ``auto`` sizes a chunk so that its logits in float32 fit this many bytes: about what one
 # transformer layer's activations of a few thousand tokens take, small beside a GPU's memory,
 # large enough that each chunk's matmul (C x h x V) keeps a GPU busy.
@@ -37,14 +39,12 @@ def chunk_tokens(tokens: int, vocab: int, setting: int | str = "auto") -> int:
     """Tokens per chunk ``C`` for ``tokens`` tokens over a ``vocab``-wide head.
 
     ``setting``: ``"auto"`` (the largest multiple of ``CHUNK_ALIGN`` whose float32 logits fit
-    ``CHUNK_LOGITS_BYTES``, at least 1) or a number of tokens.  Never more than ``tokens``.
+    ``CHUNK_LOGITS_BYTES``, at least 1: ``estimate/tiling.py::tile_tokens``, the rule of every
+    tiled region) or a number of tokens.  Never more than ``tokens``.
     """
     if setting == "auto":
-        fit = CHUNK_LOGITS_BYTES // (vocab * LOGIT_BYTES)
-        chunk = fit - fit % CHUNK_ALIGN if fit >= CHUNK_ALIGN else fit
-    else:
-        chunk = int(setting)
-    return max(1, min(int(tokens), chunk))
+        return tile_tokens(tokens, vocab * LOGIT_BYTES, CHUNK_LOGITS_BYTES, CHUNK_ALIGN)
+    return max(1, min(int(tokens), int(setting)))
 
 
 def compute_bytes(dtype_bytes: Any) -> Any:

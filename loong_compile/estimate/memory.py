@@ -21,6 +21,7 @@ from loong_compile.estimate.equations import (
     all_terms, alpha, counted_tensors, n_ring_buffers, stored_tensors,
 )
 from loong_compile.estimate.lm_head import chunk_tokens
+from loong_compile.estimate.tiling import region_tile
 from loong_compile.estimate.models import ModelSpec
 from loong_compile.parallel.rules import (
     CATEGORIES, Violation, head_violation, inner_ring_violation, sequence_violation)
@@ -107,6 +108,9 @@ class MemoryOptions:
     lm_head_chunk: None: the LM head's activations as eq. 14 counts them (the logits of every
         token); ``"auto"`` or a number of tokens: as the compiler keeps them when the loss is in
         the graph, chunked (``estimate/lm_head.py``, the rule the compiler uses).
+    tile_tokens: None: every MLP intermediate saved (the paper); ``"auto"`` or a number of
+        tokens: the MLP token-tiled as the compiler does where its tokens take more than one
+        tile (``estimate/tiling.py``), its intermediates never saved, one tile's working set.
     """
 
     activations: str = "none"
@@ -121,6 +125,7 @@ class MemoryOptions:
     fragmentation: float = 0.0
     usable_fraction: float = 0.8
     lm_head_chunk: int | str | None = None
+    tile_tokens: int | str | None = None
 
     def __post_init__(self) -> None:
         def bad(name, rule, fix):
@@ -148,14 +153,20 @@ class MemoryOptions:
                 or self.lm_head_chunk < 1):
             raise bad("lm_head_chunk", 'lm_head_chunk is None (unchunked), "auto" or tokens >= 1',
                       'pass lm_head_chunk="auto"')
+        if self.tile_tokens not in (None, "auto") and (
+                isinstance(self.tile_tokens, bool) or not isinstance(self.tile_tokens, int)
+                or self.tile_tokens < 1):
+            raise bad("tile_tokens", 'tile_tokens is None (untiled), "auto" or tokens >= 1',
+                      'pass tile_tokens="auto"')
 
     @classmethod
     def loongtrain(cls, **changes) -> MemoryOptions:
         """The settings ``loong plan`` uses: every tensor counted, the Double-Ring's buffers,
-        the LM head chunked as the compiler runs it (the loss in the graph), and typical
-        overheads (0.5 GiB CUDA context, 0.5 GiB NCCL buffers)."""
+        the LM head chunked and the MLP tiled as the compiler runs them (the loss in the
+        graph; the default ``tile_tokens="auto"``), and typical overheads (0.5 GiB CUDA
+        context, 0.5 GiB NCCL buffers)."""
         base = dict(exact=True, double_ring_buffers=True, cuda_context_gib=0.5, comm_buffers_gib=0.5,
-                    lm_head_chunk="auto")
+                    lm_head_chunk="auto", tile_tokens="auto")
         return cls(**{**base, **changes})
 
 
@@ -209,10 +220,12 @@ class MemoryBreakdown:
                 "headroom_gib": self.headroom_gib, "verdict": self.verdict}
 
 
-def memory_terms(options: MemoryOptions) -> list[Term]:
-    """All terms for these switches (symbolic; see ``SYMBOLS``)."""
+def memory_terms(options: MemoryOptions, tiled: bool = False) -> list[Term]:
+    """All terms for these switches (symbolic; see ``SYMBOLS``); ``tiled``: the MLP tiled
+    (``mlp_tile`` says where the compiler tiles it)."""
     return all_terms(options.zero, options.activations, options.exact, options.recompute_working_set,
-                     options.alpha == 0, options.double_ring_buffers, options.lm_head_chunk is not None)
+                     options.alpha == 0, options.double_ring_buffers, options.lm_head_chunk is not None,
+                     tiled)
 
 
 @functools.lru_cache(maxsize=256)
@@ -224,9 +237,10 @@ def _lambdified(expr: sp.Expr) -> Callable[..., float]:
 
 @functools.lru_cache(maxsize=64)
 def _compiled(zero: int, policy: str, exact: bool, working_set: bool, alpha_zero: bool,
-              ring: bool, chunked: bool) -> tuple[tuple[Term, Callable[..., float]], ...]:
+              ring: bool, chunked: bool, tiled: bool) -> tuple[tuple[Term, Callable[..., float]], ...]:
     return tuple((term, _lambdified(term.expr))
-                 for term in all_terms(zero, policy, exact, working_set, alpha_zero, ring, chunked))
+                 for term in all_terms(zero, policy, exact, working_set, alpha_zero, ring, chunked,
+                                       tiled))
 
 
 def ring_buffer_count(config: ParallelConfig) -> int:
@@ -240,7 +254,8 @@ def symbol_values(model: ModelSpec, config: ParallelConfig, options: MemoryOptio
             config.seq, config.micro_batch, config.dp, config.tp, config.pp, config.cp, config.hp,
             config.stage, options.dtype_bytes, options.alpha, ring_buffer_count(config), model.head_dim,
             model.layer_matmul_params, model.norm_params, int(model.tied_embeddings),
-            model.experts * model.moe_layers / model.layers, lm_head_chunk(model, config, options))
+            model.experts * model.moe_layers / model.layers, lm_head_chunk(model, config, options),
+            mlp_tile(model, config, options))
 
 
 def lm_head_chunk(model: ModelSpec, config: ParallelConfig, options: MemoryOptions) -> int:
@@ -248,8 +263,26 @@ def lm_head_chunk(model: ModelSpec, config: ParallelConfig, options: MemoryOptio
     the estimate counts the head unchunked: the symbol is then unused)."""
     if options.lm_head_chunk is None:
         return 1
-    tokens = config.micro_batch * config.seq // (config.cp * config.hp * config.tp)
-    return chunk_tokens(tokens, model.vocab // config.tp, options.lm_head_chunk)
+    return chunk_tokens(_local_tokens(config), model.vocab // config.tp, options.lm_head_chunk)
+
+
+def _local_tokens(config: ParallelConfig) -> int:
+    return config.micro_batch * config.seq // (config.cp * config.hp * config.tp)
+
+
+def mlp_tile(model: ModelSpec, config: ParallelConfig, options: MemoryOptions) -> int:
+    """Tokens per tile of the MLP as the compiler picks them for one GPU's tokens (all of them:
+    not tiled, without ``tile_tokens`` or where they fit one tile): the region's input norm
+    and its four FFN-wide values per token (``estimate/tiling.py::region_tile``)."""
+    tokens = _local_tokens(config)
+    if options.tile_tokens is None:
+        return tokens
+    per_token = options.dtype_bytes * (model.hidden + 4 * model.activated_ffn) // config.tp
+    return region_tile(tokens, per_token, options.tile_tokens)
+
+
+def mlp_tiled(model: ModelSpec, config: ParallelConfig, options: MemoryOptions) -> bool:
+    return mlp_tile(model, config, options) < _local_tokens(config)
 
 
 def estimate_memory(model: ModelSpec, config: ParallelConfig, options: MemoryOptions = MemoryOptions(),
@@ -260,7 +293,8 @@ def estimate_memory(model: ModelSpec, config: ParallelConfig, options: MemoryOpt
         raise LoongConfigError(f"capacity_gib={capacity_gib!r}", "GPU capacity must be > 0 GiB",
                                "pass the GPU's memory in GiB, e.g. 80")
     compiled = _compiled(options.zero, options.activations, options.exact, options.recompute_working_set,
-                         options.alpha == 0, options.double_ring_buffers, options.lm_head_chunk is not None)
+                         options.alpha == 0, options.double_ring_buffers, options.lm_head_chunk is not None,
+                         mlp_tiled(model, config, options))
     values = symbol_values(model, config, options)
     terms, host, sources = {}, {}, {}
     for term, fn in compiled:
@@ -273,16 +307,17 @@ def estimate_memory(model: ModelSpec, config: ParallelConfig, options: MemoryOpt
     return MemoryBreakdown(terms, sources, host, overheads, capacity_gib, options.usable_fraction)
 
 
-@functools.lru_cache(maxsize=4)
-def _compiled_categories(exact: bool) -> dict[str, Callable[..., float]]:
-    counted = counted_tensors("memo", exact)
+@functools.lru_cache(maxsize=8)
+def _compiled_categories(exact: bool, tiled: bool) -> dict[str, Callable[..., float]]:
+    counted = counted_tensors("memo", exact, tiled)
     return {cat: _lambdified(_bytes([x for x in counted if x.category == cat])) for cat in CATEGORIES}
 
 
 def category_bytes(model: ModelSpec, config: ParallelConfig, options: MemoryOptions) -> dict[str, float]:
     """One layer's skeletal bytes per GPU per MEMO category: S_input, S_attn, S_other (MEMO 4.1)."""
     values = symbol_values(model, config, options)
-    return {cat: float(fn(*values)) for cat, fn in _compiled_categories(options.exact).items()}
+    tiled = mlp_tiled(model, config, options)
+    return {cat: float(fn(*values)) for cat, fn in _compiled_categories(options.exact, tiled).items()}
 
 
 def attention_transfer_bytes(model: ModelSpec, config: ParallelConfig, dtype_bytes: int) -> tuple[float, float]:
@@ -321,7 +356,8 @@ class LayerActivations:
 
 
 def layer_activations(model: ModelSpec, seq: int, batch: int, dtype_bytes: int, policy: str,
-                      alpha: float = 0.0, hp: int = 1, cp: int = 1) -> LayerActivations:
+                      alpha: float = 0.0, hp: int = 1, cp: int = 1,
+                      tiled: bool = False) -> LayerActivations:
     """Exact bytes one transformer layer saves for its backward, per tensor and category.
 
     Counts every tensor of ``LAYER_TENSORS`` (eq. 12's plus the lse and RMSNorm statistics),
@@ -330,7 +366,8 @@ def layer_activations(model: ModelSpec, seq: int, batch: int, dtype_bytes: int, 
     saved, the others recomputed.  ``memo``: the layer input and attention output + lse
     offloaded; of each "other" tensor the first floor(alpha * s_local) tokens of every sequence
     offloaded, the rest recomputed (the last two layers, which MEMO does not swap, would keep
-    their bytes on device instead).  ``full`` saves the layer input only.
+    their bytes on device instead).  ``full`` saves the layer input only; ``tiled``: no MLP
+    intermediate (the tiled region keeps its input only).
     """
     options = MemoryOptions(activations=policy, alpha=alpha, dtype_bytes=dtype_bytes)   # validates
     config = ParallelConfig(seq=seq, cp=cp, hp=hp, micro_batch=batch)
@@ -339,9 +376,9 @@ def layer_activations(model: ModelSpec, seq: int, batch: int, dtype_bytes: int, 
               if symbol not in (alpha, n_ring_buffers)}
     local_seq = seq // (cp * hp)
     alpha_tokens = math.floor(alpha * local_seq)
-    stored = stored_tensors(policy, exact=True)
+    stored = stored_tensors(policy, exact=True, tiled=tiled)
     tensors = []
-    for x in counted_tensors(policy, exact=True):
+    for x in counted_tensors(policy, exact=True, tiled=tiled):
         size = sp.nsimplify(LOCAL_TOKENS * x.per_token).subs(values)
         if not size.is_Integer:
             raise LoongConfigError(f"{x.name} of {model.name} takes {size} bytes per GPU",

@@ -7,7 +7,7 @@ that broadcast along the sequence are named for slicing at their use.  An op wit
 or one that mixes tokens (a cumulative op, softmax or reduction along the sequence, a random
 op, a collective), is a failure with the reason.  Used by the ``recompute`` pass, on the aten
 graphs of the split stage (token safety reads the Dynamo graph by its own rules,
-``safety/token_ops.py``).
+``fx/token_ops.py``).
 """
 
 from __future__ import annotations

@@ -17,5 +17,9 @@ module              what it answers
 ``autocast``        the dtype autocast casts to at each node
 ``aten_ops``        attention, collective and random ops of AOTAutograd's graphs; FLOPs
 ``storage``         views, the node owning a value's storage, its bytes
+``token_analysis``  which nodes act on each token alone, and why the others do not (the
+                    token-safety and tiling stages read it); ``token_ops`` the rule each op
+                    falls under, ``row_permutation`` a sort of the rows proven undone (an
+                    expert dispatch), ``row_ops`` the ops that treat every row alike
 ==================  ==========================================================================
 """

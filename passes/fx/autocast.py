@@ -32,3 +32,12 @@ def autocast_dtypes(graph: torch.fx.Graph, device_type: str) -> dict[torch.fx.No
             states.pop()
         out[node] = states[-1]
     return out
+
+
+def autocast_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Nodes autocast casts at, on any device the graph's tensors live on: the autocast the
+    function was called under, and its own ``with torch.autocast(...)`` blocks."""
+    devices = {v.device.type for n in graph.nodes
+               if isinstance(v := n.meta.get("example_value"), torch.Tensor)}
+    return {n for device in devices for n, dtype in autocast_dtypes(graph, device).items()
+            if dtype is not None}

@@ -11,6 +11,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from loong_compile.passes.fx.op_sets import RANDOM
+
 
 def example_value(node: Any) -> Any:
     return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
@@ -51,3 +53,14 @@ def is_weight(node: torch.fx.Node) -> bool:
 def getitem_users(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The getitem nodes reading a multi-output op's results (the attention's out, lse, ...)."""
     return [u for u in node.users if u.target is operator.getitem]
+
+
+def draws_random(node: torch.fx.Node) -> bool:
+    """Whether a call draws random numbers: an op of ``op_sets.RANDOM``, but for a dropout with
+    ``p == 0`` or ``training=False`` (the identity)."""
+    name = op_name(node)
+    if name not in RANDOM:
+        return False
+    if "dropout" in name:
+        return node_arg(node, "p", 1, 0.5) != 0 and node_arg(node, "training", 2, True) is not False
+    return True

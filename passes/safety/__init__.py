@@ -5,7 +5,8 @@ Needs: fact ``attention_sites`` (the attention stage rewrote every attention cal
 ``scan_sites`` where the scans ran; their values are the ops those rewrites emit, the only ones
 allowed to combine tokens (``base.exact_mixers``).
 Leaves: nothing in the graph; a ``LoongTokenMixingError`` on every rank before any collective
-for what mixes tokens unproven.  ``token_locality`` is the pass; ``token_ops`` (the rule each op
-falls under), ``row_permutation`` (a sort of the rows proven undone, as in a mixture of
-experts' dispatch) and ``row_ops`` (which ops treat every row alike) are what it reads with.
+for what mixes tokens unproven.  ``token_locality`` is the pass; the analysis it runs is shared
+with the tiling stage and lives in ``passes/fx/``: ``token_analysis`` (what mixes tokens),
+``token_ops`` (the rule each op falls under), ``row_permutation`` (a sort of the rows proven
+undone, as in a mixture of experts' dispatch) and ``row_ops`` (which ops treat every row alike).
 """

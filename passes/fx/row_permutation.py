@@ -50,8 +50,8 @@ from loong_compile.passes.fx.module_paths import module_path, source_line
 from loong_compile.passes.fx.nodes import example_value, node_arg, op_name
 from loong_compile.passes.fx.op_sets import COPIES, EXPANDS, INT_CASTS, RESHAPES, VIEWS
 from loong_compile.passes.fx.tokens import counts_tokens
-from loong_compile.passes.safety.row_ops import CASTS, why_not_rowwise, writes
-from loong_compile.passes.safety.token_ops import custom_op
+from loong_compile.passes.fx.row_ops import CASTS, why_not_rowwise, writes
+from loong_compile.passes.fx.token_ops import custom_op
 
 Node = torch.fx.Node
 

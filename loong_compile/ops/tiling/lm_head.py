@@ -1,4 +1,5 @@
-"""The LM head and its token-wise loss as one token-chunked op: one chunk's logits at a time.
+"""The LM head and its token-wise loss as one token-chunked op: one chunk's logits at a time
+(the gradient-in-forward strategy of token tiling, ``ops/tiling/__init__.py``).
 
 ``lm_head_loss(hidden, weight, bias, labels, ...)`` equals, in value and gradient::
 
@@ -7,11 +8,12 @@
     logits = post_scale * pre_scale * logits                       # softcap=False (Cohere, Granite)
     F.cross_entropy(logits, labels, ignore_index=..., reduction=...).to(dtype)
 
-but forms the logits ``chunk`` tokens at a time.  The gradient is computed in the forward
-(as Liger-Kernel's fused linear cross-entropy does), chunk by chunk: the softmax of the chunk
+but forms the logits ``chunk`` tokens at a time (``loop.tiles``).  The gradient is computed in the
+forward (as Liger-Kernel's fused linear cross-entropy does), chunk by chunk: the softmax of the chunk
 minus the one-hot labels, through the logit transforms, times the weight (into dL/dhidden)
-and the hidden states (into dL/dweight, accumulated in float32).  The loss is a scalar, so
-its gradient only scales them: the backward multiplies the three by the incoming gradient.
+and the hidden states (into dL/dweight, accumulated in float32: ``loop.Gradients``).  The loss is
+a scalar, so its gradient only scales them: the backward multiplies the three by the incoming
+gradient (``loop.scaled``).
 docs/architecture.md ("The LM head and the loss") says why this, and not recomputing each
 chunk in the backward (4/3 of the head's matmuls; measured in docs/benchmarks.md).
 
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from loong_compile.ops.tiling.loop import Gradients, scaled, tiles
 
 _NOTHING = (0,)
 
@@ -67,14 +71,15 @@ def lm_head_loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels:
     computed in ``compute``; the gradients are of the summed loss (empty without
     ``with_grad``; dL/dbias empty without a bias)."""
     total = torch.zeros((), dtype=compute, device=hidden.device)
-    grads = _Gradients(hidden, weight, bias, compute) if with_grad else None
-    for start in range(0, hidden.size(0), chunk):
-        rows = slice(start, start + chunk)
+    grads = Gradients([hidden], [0], [weight, bias], compute) if with_grad else None
+    for start, length in tiles(hidden.size(0), chunk):
+        rows = slice(start, start + length)
         total += _chunk(hidden[rows], weight, bias, labels[rows], ignore_index, pre_scale,
-                        softcap, post_scale, compute, grads, rows)
+                        softcap, post_scale, compute, grads, start)
     if grads is None:
         return total, *(hidden.new_empty(_NOTHING) for _ in range(3))
-    return total, *grads.result()
+    (d_hidden,), (d_weight, d_bias) = grads.result(cast=False)
+    return total, d_hidden, d_weight, d_bias if d_bias is not None else hidden.new_empty(_NOTHING)
 
 
 @lm_head_loss_op.register_fake
@@ -90,39 +95,26 @@ def _(hidden, weight, bias, labels, ignore_index, chunk, pre_scale, softcap, pos
             weight.new_empty(weight.shape, dtype=accumulate), bias_grad)
 
 
-class _Gradients:
-    """The gradients of the summed loss, accumulated chunk by chunk (weight and bias in the
-    wider of the compute dtype and theirs: the backward scales them, then casts them to the
-    parameters' dtype)."""
-
-    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, compute: torch.dtype):
-        self.hidden, self.weight = hidden, weight
-        self.accumulate = torch.promote_types(compute, weight.dtype)
-        self.d_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-        self.d_weight = torch.zeros(weight.shape, dtype=self.accumulate, device=weight.device)
-        self.d_bias = None if bias is None else torch.zeros(bias.shape, dtype=self.accumulate,
-                                                            device=bias.device)
-
-    def add(self, d_logits: Tensor, rows: slice) -> None:
-        """Add one chunk's dL/dlogits ``(C, V)`` (compute dtype)."""
-        narrow = d_logits.to(self.weight.dtype)   # a new buffer only for a narrower weight
-        if self.d_hidden.dtype == self.weight.dtype:
-            torch.mm(narrow, self.weight, out=self.d_hidden[rows])
-        else:
-            self.d_hidden[rows] = narrow @ self.weight
-        del narrow
-        self.d_weight.addmm_(d_logits.t().to(self.accumulate), self.hidden[rows].to(self.accumulate))
-        if self.d_bias is not None:
-            self.d_bias += d_logits.sum(0)
-
-    def result(self) -> tuple[Tensor, Tensor, Tensor]:
-        d_bias = self.d_bias if self.d_bias is not None else self.hidden.new_empty(_NOTHING)
-        return self.d_hidden, self.d_weight, d_bias
+def _add_gradients(grads: Gradients, d_logits: Tensor, hidden: Tensor, weight: Tensor,
+                   start: int) -> None:
+    """Add one chunk's dL/dlogits ``(C, V)`` (compute dtype): into dL/dhidden's rows of the chunk
+    (written in place), dL/dweight and dL/dbias (accumulated without a weight-sized temporary)."""
+    rows = grads.rows(0, start, d_logits.size(0))
+    narrow = d_logits.to(weight.dtype)   # a new buffer only for a narrower weight
+    if rows.dtype == weight.dtype:
+        torch.mm(narrow, weight, out=rows)
+    else:
+        rows.copy_(narrow @ weight)
+    del narrow
+    d_weight, d_bias = grads.params
+    d_weight.addmm_(d_logits.t().to(d_weight.dtype), hidden.to(d_weight.dtype))
+    if d_bias is not None:
+        d_bias += d_logits.sum(0)
 
 
 def _chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, ignore_index: int,
            pre_scale: float, softcap: bool, post_scale: float, compute: torch.dtype,
-           grads: _Gradients | None, rows: slice) -> Tensor:
+           grads: Gradients | None, start: int) -> Tensor:
     """One chunk's summed loss; its gradient into ``grads``.  Works in place on the chunk's
     logits: one ``(C, V)`` buffer in the compute dtype (two with softcapping)."""
     logits = torch.nn.functional.linear(hidden, weight, bias).to(compute)
@@ -143,14 +135,14 @@ def _chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, 
     lse = (sums.log() + peak).squeeze(1)
     loss = torch.where(valid, lse - target, 0).sum()
     if grads is not None:
-        weight = valid.unsqueeze(1) / sums               # ignored tokens: no gradient
-        d_logits = exp.mul_(weight)                      # softmax ...
+        share = valid.unsqueeze(1) / sums                # ignored tokens: no gradient
+        d_logits = exp.mul_(share)                       # softmax ...
         d_logits.scatter_add_(1, index, -valid.unsqueeze(1).to(compute))   # ... minus one-hot
         if capped is not None:                           # d(post * tanh(pre * z)) / dz
             d_logits.mul_(capped.square_().neg_().add_(1).mul_(pre_scale * post_scale))
         elif pre_scale * post_scale != 1.0:
             d_logits.mul_(pre_scale * post_scale)
-        grads.add(d_logits, rows)
+        _add_gradients(grads, d_logits, hidden, weight, start)
     return loss
 
 
@@ -165,14 +157,8 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_loss, *_unused):
     d_hidden, d_weight, d_bias = ctx.saved_tensors
     hidden, weight, bias = ctx.dtypes
-    return (_scaled(d_hidden, grad_loss, hidden), _scaled(d_weight, grad_loss, weight),
-            _scaled(d_bias, grad_loss, bias) if ctx.has_bias else None, *[None] * 8)
-
-
-def _scaled(grad: Tensor, by: Tensor, dtype: torch.dtype) -> Tensor:
-    """``grad * by`` in ``dtype``, the product in the wider dtype of the two."""
-    wide = torch.promote_types(grad.dtype, by.dtype)
-    return (grad.to(wide) * by.to(wide)).to(dtype)
+    return (scaled(d_hidden, grad_loss, hidden), scaled(d_weight, grad_loss, weight),
+            scaled(d_bias, grad_loss, bias) if ctx.has_bias else None, *[None] * 8)
 
 
 lm_head_loss_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,7 +1,7 @@
 """How the token analysis reads one FX node: the rule its op falls under, the axes it works
 on, the indices a product sums over.
 
-``passes/safety/token_locality.py`` decides what mixes tokens; this module only answers questions
+``passes/fx/token_analysis.py`` decides what mixes tokens; this module only answers questions
 about a node of a Dynamo graph (torch functions, tensor methods, custom ops and
 higher-order ops alike) without running it, and without guarding a dynamic length.  What every
 stage reads of a node (its value, arguments, op name) is ``passes/fx/nodes.py``.

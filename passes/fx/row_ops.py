@@ -20,7 +20,7 @@ import torch.fx
 
 from loong_compile.passes.fx.nodes import example_value, node_arg, op_name
 from loong_compile.passes.fx.op_sets import COPIES, DTYPE_CASTS, EXPANDS, INT_CASTS, PROJECTIONS, RESHAPES
-from loong_compile.passes.safety.token_ops import full_slice
+from loong_compile.passes.fx.token_ops import full_slice
 
 Node = torch.fx.Node
 

@@ -39,9 +39,9 @@ import torch.nn.functional as F
 
 from loong_compile._compat.aot import size_hint
 from loong_compile.estimate.lm_head import chunk_tokens, kept_bytes, working_bytes
-from loong_compile.ops.lm_head import lm_head_loss
+from loong_compile.ops.tiling.lm_head import lm_head_loss
 from loong_compile.passes.base import Pass, PassContext
-from loong_compile.passes.fx.autocast import autocast_dtypes
+from loong_compile.passes.fx.autocast import autocast_nodes
 from loong_compile.passes.fx.emit import copy_source_meta
 from loong_compile.passes.fx.module_paths import module_path, source_line
 from loong_compile.passes.fx.nodes import example_value, node_arg, op_name
@@ -50,7 +50,7 @@ from loong_compile.passes.fx.op_sets import DTYPE_CASTS, HALF_CASTS, PROJECTIONS
 GIB = 2 ** 30
 # What may stand between the projection and the loss besides scalings and tanh: views (checked
 # to keep the vocabulary axis last) and casts; not a cast to a 16-bit float by name, which the
-# chunked op would not repeat (it computes in float32 at least: ops/lm_head.py)
+# chunked op would not repeat (it computes in float32 at least: ops/tiling/lm_head.py)
 LOGIT_VIEWS = VIEWS | {"contiguous"}
 LOGIT_CASTS = DTYPE_CASTS - HALF_CASTS
 SCALES = {"mul", "truediv", "div"}
@@ -89,7 +89,7 @@ class LMHeadLossPass(Pass):
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
         graph = gm.graph
-        autocast = _in_autocast(graph)
+        autocast = autocast_nodes(graph)
         changed, not_chunked = [], []
         for loss in [n for n in graph.nodes if _is_loss(n)]:
             try:
@@ -249,15 +249,6 @@ def _untransposed(right: Any) -> torch.fx.Node:
             and right.target is getattr and right.args[1] in ("T", "mT"):
         return right.args[0]
     raise NotChunked("the matmul's right operand is not a transposed (V, h) weight")
-
-
-def _in_autocast(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """Nodes autocast casts at, on any device the graph's tensors live on: the autocast the
-    function was called under, and its own ``with torch.autocast(...)`` blocks."""
-    devices = {v.device.type for n in graph.nodes
-               if isinstance(v := n.meta.get("example_value"), torch.Tensor)}
-    return {n for device in devices for n, dtype in autocast_dtypes(graph, device).items()
-            if dtype is not None}
 
 
 # -- the rewrite ------------------------------------------------------------------------------------
