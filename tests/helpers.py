@@ -8,6 +8,8 @@ and where the stand-in kernels live.
 
 from __future__ import annotations
 
+import re
+
 import copy
 import math
 import traceback
@@ -371,3 +373,9 @@ def each_document_alone(fn: Callable[..., torch.Tensor], rows: list[list[int]], 
         joined.append(torch.cat([fn(*(t[b:b + 1].narrow(dim, s, n) for t in tensors))
                                  for s, n in zip(starts, lengths)], dim))
     return torch.cat(joined)
+
+
+def allocated_shapes(code: list[str]) -> list[tuple[int, ...]]:
+    """The shape of every buffer Inductor's generated CPU code allocates (``empty_strided_cpu``)."""
+    return [tuple(int(d) for d in shape.split(",") if d.strip())
+            for source in code for shape in re.findall(r"empty_strided_cpu\(\(([^)]*)\)", source)]

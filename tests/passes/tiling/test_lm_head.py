@@ -7,7 +7,7 @@ leave the graph are reported with their cost and the fix."""
 from __future__ import annotations
 
 import copy
-import re
+import math
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import loong_compile as lc
+from helpers import allocated_shapes
 from loong_compile._compat.inductor import generated_code
 from loong_compile.report.allocator import measure_peak_bytes
 from loong_compile.config import LoongConfig
@@ -124,23 +125,13 @@ def test_every_form_equals_eager_under_inductor_without_a_full_logits_buffer():
     assert len(code) == 2 and all("torch.ops.loong.lm_head_loss.default" in c for c in code[:1])
     # every buffer Inductor allocates: none holds a (tokens, vocabulary) logits tensor; the
     # largest are the weights' gradients (V, h)
-    shapes = [tuple(int(d) for d in s.split(",") if d.strip())
-              for c in code for s in re.findall(r"empty_strided_cpu\(\(([^)]*)\)", c)]
-    assert shapes and max(_numel(s) for s in shapes) <= V * H, shapes
+    shapes = allocated_shapes(code)
+    assert shapes and max(math.prod(s) for s in shapes) <= V * H, shapes
     # the same graph without the pass does allocate the logits
     plain = copy.deepcopy(model)
     _, plain_code = generated_code(
         step, compiled(plain, "inductor", [], disable_passes=["lm_head_loss"]), plain, *inputs())
-    plain_shapes = [tuple(int(d) for d in s.split(",") if d.strip())
-                    for c in plain_code for s in re.findall(r"empty_strided_cpu\(\(([^)]*)\)", c)]
-    assert max(_numel(s) for s in plain_shapes) >= B * T * V
-
-
-def _numel(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
+    assert max(math.prod(s) for s in allocated_shapes(plain_code)) >= B * T * V
 
 
 class OneHead(nn.Module):

@@ -7,12 +7,14 @@ every activation policy: tests/test_trust_matrix_inductor.py (``TILED``)."""
 from __future__ import annotations
 
 import copy
+import math
 import re
 
 import pytest
 import torch
 
 import loong_compile as lc
+from helpers import allocated_shapes
 from hf_models import build
 from trust_cases import precision
 from loong_compile._compat.inductor import generated_code
@@ -130,15 +132,6 @@ def test_under_inductor_no_buffer_holds_the_whole_sequences_intermediates():
     # the whole sequence's (B*T, F) anywhere
     ffn = model.config.intermediate_size
     assert any("torch.ops.loong.tiled_region.default" in c for c in code)
-    shapes = [tuple(int(d) for d in s.split(",") if d.strip())
-              for c in code for s in re.findall(r"empty_strided_cpu\(\(([^)]*)\)", c)]
-    wide = [s for s in shapes if ffn in s]
-    assert any(_numel(s) == B * 8 * ffn for s in wide), wide
-    assert max(_numel(s) for s in wide) < B * T * ffn, wide
-
-
-def _numel(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
+    wide = [s for s in allocated_shapes(code) if ffn in s]
+    assert any(math.prod(s) == B * 8 * ffn for s in wide), wide
+    assert max(math.prod(s) for s in wide) < B * T * ffn, wide
