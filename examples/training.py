@@ -103,13 +103,16 @@ def train(model: torch.nn.Module, args: argparse.Namespace) -> list[float]:
     Each rank's loss is its share of the batch's mean next-token loss (the sum over its tokens
     over the batch's label count, ``batch.num_labels``): summed over the ranks of a sequence
     it is the one-process loss."""
+    if args.offload_states and not args.fsdp:
+        raise ValueError("--offload-states keeps FSDP2's sharded states on the host, so it needs "
+                         "--fsdp: add --fsdp or drop --offload-states")
     options = config_from_args(args)
     mesh = lc.init_mesh(hp=args.hp, cp=args.cp, placement=args.placement, inner_ring=args.inner_ring)
     rank = dist.get_rank() if dist.is_initialized() else 0
     dev = device()
     model.to(dev)
     if args.fsdp:
-        step_loss = shard_with_fsdp2(model, options, mesh)
+        step_loss = shard_with_fsdp2(model, options, mesh, offload_states=args.offload_states)
     else:
         step_loss = torch.compile(lc.NextTokenLoss(model), backend="loong", options=options,
                                   fullgraph=True)
@@ -143,7 +146,8 @@ def train(model: torch.nn.Module, args: argparse.Namespace) -> list[float]:
     return losses
 
 
-def shard_with_fsdp2(model: torch.nn.Module, options: dict, mesh) -> torch.nn.Module:
+def shard_with_fsdp2(model: torch.nn.Module, options: dict, mesh,
+                     offload_states: bool = False) -> torch.nn.Module:
     """LoongTrain's hybrid ZeRO: parameters, gradients and optimizer states sharded over all
     dp x cp x hp ranks with FSDP2, each transformer block compiled with backend="loong", and
     the LM head with the loss as one more compiled unit (so the head is chunked with the loss).
@@ -158,23 +162,42 @@ def shard_with_fsdp2(model: torch.nn.Module, options: dict, mesh) -> torch.nn.Mo
     FSDP2's reduce-scatter spans all ranks; ``set_fsdp_gradient_divide_factor`` makes it divide
     by dp instead of the world size, so gradients are summed over the ranks of a sequence and
     averaged over data-parallel replicas, as ``lc.reduce_gradients`` does without FSDP.
+    ``offload_states`` keeps the sharded states on the host (``_states_policy``).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     world = init_device_mesh(device().type, (dist.get_world_size(),), mesh_dim_names=("dp_cp_hp",))
+    policy = _states_policy(offload_states)
     blocks = next(m for name, m in model.named_modules() if name.split(".")[-1] == "layers")
     for block in blocks:
         block.compile(backend="loong", options=options, fullgraph=True)
-        fully_shard(block, mesh=world)
+        fully_shard(block, mesh=world, offload_policy=policy)
     head_loss = lc.NextTokenLoss(_take_head(model))
     head_loss.compile(backend="loong", options={**options, "allow_graphs_without_attention": True},
                       fullgraph=True)
-    fully_shard(head_loss, mesh=world)
+    fully_shard(head_loss, mesh=world, offload_policy=policy)
     step = _HiddenThenLoss(model, head_loss)
-    fully_shard(step, mesh=world)
+    fully_shard(step, mesh=world, offload_policy=policy)
     lc.set_fsdp_gradient_divide_factor(step, mesh)
     return step
+
+
+def _states_policy(offload_states: bool):
+    """Where FSDP2 keeps the sharded parameters, gradients and optimizer states.
+
+    With ``offload_states`` (``CPUOffloadPolicy``) they stay in host memory, so the device holds
+    only the unit it computes: FSDP2 copies a block's parameter shards to the device before its
+    forward and again before its backward, all-gathers them there, copies each gradient's shard
+    back to the host after the reduce-scatter, and the optimizer steps on the host.  Pinned host
+    memory lets those copies overlap compute; torch can pin only with a GPU (on a CPU-only build
+    ``pin_memory()`` raises "Cannot access accelerator device"), and on CPU the copies are no-ops.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not offload_states:
+        return OffloadPolicy()   # fully_shard's default: the states stay on the device
+    return CPUOffloadPolicy(pin_memory=device().type == "cuda")
 
 
 def _take_head(model: torch.nn.Module) -> torch.nn.Module:
@@ -253,5 +276,8 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--plot", default=None, help="write the loss curve to this PNG")
     parser.add_argument("--fsdp", action="store_true",
                         help="shard parameters, gradients and optimizer states over all ranks (FSDP2)")
+    parser.add_argument("--offload-states", action="store_true",
+                        help="with --fsdp: keep the sharded states on the host, the optimizer "
+                             "stepping there (FSDP2's CPUOffloadPolicy)")
     add_config_flags(parser)
     return parser

@@ -50,17 +50,64 @@ def _example_losses(rank, world, argv):
     return train_llama.main(argv)
 
 
+def _fsdp_example_losses_and_states(rank, world, argv):
+    """The example's losses under --fsdp, and what FSDP2 was told about the states' place: the
+    number of units it shards, their offload policies, and each parameter's offload flag (what
+    FSDP2 reads before each host-to-device and device-to-host copy).  On CPU the shards lie on
+    the host either way, so the policy, not a tensor's device, shows --offload-states arrived."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_llama
+    import training
+    from torch.distributed.fsdp import FSDPModule
+
+    units = []
+    shard_with_fsdp2 = training.shard_with_fsdp2
+
+    def recording(*args, **kwargs):
+        step = shard_with_fsdp2(*args, **kwargs)
+        units.extend(m for m in step.modules() if isinstance(m, FSDPModule))
+        return step
+
+    training.shard_with_fsdp2 = recording
+    try:   # the ranks are kept for later tests: they get the example back as it was
+        losses = train_llama.main(argv)
+    finally:
+        training.shard_with_fsdp2 = shard_with_fsdp2
+    groups = [g for unit in units for g in unit._get_fsdp_state()._fsdp_param_groups]
+    policies = {type(g.offload_policy).__name__ for g in groups}
+    offloaded = {p.offload_to_cpu for g in groups for p in g.fsdp_params}
+    return losses, (len(units), policies, offloaded)
+
+
 @pytest.mark.slow
-def test_fsdp2_on_four_ranks_equals_one_process(monkeypatch):
+@pytest.mark.parametrize("offload", [[], ["--offload-states"]],
+                         ids=["states_on_device", "states_on_host"])
+def test_fsdp2_on_four_ranks_equals_one_process(monkeypatch, offload):
     """--fsdp: parameters, gradients and optimizer states sharded over dp x cp x hp = 4 ranks;
     the MLPs token-tiled (issue 52: FSDP2's gathered weights are the tiled op's inputs, read by
-    every tile, recomputed in the backward after FSDP2 gathered them again)."""
+    every tile, recomputed in the backward after FSDP2 gathered them again).  With
+    --offload-states the sharded states are on the host (CPUOffloadPolicy) and the optimizer
+    steps there; on CPU its copies are no-ops, and the losses are exact all the same."""
     monkeypatch.setenv("LOONG_TILE_TOKENS", "16")   # the ranks it spawns inherit it
     argv = [*SMALL, "--steps", "4", "--lowering", "aot_eager"]
     reference = run_distributed(_example_losses, 1, argv, timeout=600)[0]
-    sharded = run_distributed(_example_losses, 4, [*argv, "--hp", "2", "--cp", "2", "--fsdp"],
-                              timeout=900)
-    assert all(losses == sharded[0] for losses in sharded)  # every rank reports the same loss
+    sharded = run_distributed(_fsdp_example_losses_and_states, 4,
+                              [*argv, "--hp", "2", "--cp", "2", "--fsdp", *offload], timeout=900)
+    losses = [rank_losses for rank_losses, _ in sharded]
+    assert all(rank_losses == losses[0] for rank_losses in losses)  # every rank: the same loss
     assert len(reference) == 4
-    for got, want in zip(sharded[0], reference):
-        assert abs(got - want) <= 1e-5 * abs(want), (sharded[0], reference)
+    for got, want in zip(losses[0], reference):
+        assert abs(got - want) <= 1e-5 * abs(want), (losses[0], reference)
+    # 4 units (2 blocks, the head with the loss, the rest), every one with the policy asked for
+    policy = ("CPUOffloadPolicy", True) if offload else ("OffloadPolicy", False)
+    for _, (units, policies, offloaded) in sharded:
+        assert (units, policies, offloaded) == (4, {policy[0]}, {policy[1]})
+
+
+def test_offload_states_without_fsdp_is_refused():
+    """--offload-states places FSDP2's sharded states: alone it would do nothing, so it is refused
+    before the mesh, the compilation or the data."""
+    import train_llama
+
+    with pytest.raises(ValueError, match="needs --fsdp: add --fsdp or drop --offload-states"):
+        train_llama.main([*SMALL, "--steps", "1", "--offload-states"])
