@@ -33,7 +33,7 @@ def _hardware(args, required: bool):
     return load_hardware(args.gpu, **dict(args.gpu_opt))
 
 
-def _memory_options(args, activations="none", alpha=1.0, zero=1, plan_defaults=False):
+def _memory_options(args, activations="none", alpha=1.0, zero=1, states_on_host=False, plan_defaults=False):
     from loong_compile.estimate.memory import MemoryOptions
 
     overrides = {name: getattr(args, name) for name in ("cuda_context_gib", "comm_buffers_gib", "fragmentation")
@@ -41,9 +41,9 @@ def _memory_options(args, activations="none", alpha=1.0, zero=1, plan_defaults=F
     paper = getattr(args, "paper_terms", False)
     chunk = None if args.unchunked_lm_head or paper else args.lm_head_chunk
     tile = None if args.untiled_mlp or paper else "auto"
-    common = dict(activations=activations, alpha=alpha, zero=zero, dtype_bytes=args.dtype_bytes,
-                  usable_fraction=args.usable_fraction, lm_head_chunk=chunk, tile_tokens=tile,
-                  **overrides)
+    common = dict(activations=activations, alpha=alpha, zero=zero, states_on_host=states_on_host,
+                  dtype_bytes=args.dtype_bytes, usable_fraction=args.usable_fraction, lm_head_chunk=chunk,
+                  tile_tokens=tile, **overrides)
     if plan_defaults:
         return MemoryOptions(**common) if args.paper_terms else MemoryOptions.loongtrain(**common)
     return MemoryOptions(exact=args.exact, double_ring_buffers=args.double_ring_buffers,
@@ -72,6 +72,7 @@ def _say_masks(args, seq, console):
 def run_estimate(args, console) -> int:
     from loong_compile.estimate.memory import ParallelConfig, estimate_memory
     from loong_compile.estimate.presets import load_model
+    from loong_compile.estimate.search import model_states_label
 
     model = _masked_model(load_model(args.model), args)
     _say_masks(args, args.seq, console)
@@ -94,11 +95,12 @@ def run_estimate(args, console) -> int:
     config = ParallelConfig(seq=args.seq, dp=dp or 1, tp=args.tp, pp=args.pp, cp=args.cp, hp=args.hp,
                             micro_batch=args.micro_batch, inner_ring=args.inner_ring, stage=args.stage,
                             doc_length=args.doc_length)
-    options = _memory_options(args, args.activations, args.alpha, args.zero)
+    options = _memory_options(args, args.activations, args.alpha, args.zero, args.states_on_host)
     result = estimate_memory(model, config, options, capacity)
     title = (f"{model.name}, seq {config.seq}, {config.gpus} GPUs (dp={config.dp} tp={config.tp} "
              f"pp={config.pp} cp={config.cp} hp={config.hp}), micro-batch {config.micro_batch}, "
-             f"stage {config.stage}, activations={options.activations}, ZeRO-{options.zero}")
+             f"stage {config.stage}, activations={options.activations}, "
+             f"{model_states_label(options.zero, options.states_on_host)}")
     if args.plot:
         from loong_compile.estimate.plot import plot_memory
         plot_memory(result, title, args.plot)
@@ -129,7 +131,8 @@ def run_plan(args, console) -> int:
         hardware = dataclasses.replace(hardware, memory_gib=args.capacity_gib)
     search = dict(policies=args.activations, alphas=args.alphas, zero_stages=args.zero,
                   micro_batch=args.micro_batch, placements=args.placements,
-                  memory_options=_memory_options(args, plan_defaults=True), doc_length=args.doc_length)
+                  memory_options=_memory_options(args, plan_defaults=True), doc_length=args.doc_length,
+                  states_on_host=not args.no_states_on_host)
     if args.max_seq:
         from loong_compile.estimate.longest import longest_sequence
         longest = longest_sequence(model, args.gpus, hardware, seq_multiple=args.seq_multiple or 1, **search)

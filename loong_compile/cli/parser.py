@@ -114,6 +114,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     est.add_argument("--inner-ring", type=_positive_int, default=1)
     est.add_argument("--stage", type=int, default=0, help="pipeline stage (0 = first, the paper's)")
     est.add_argument("--zero", type=_zero_stage, default=1)
+    est.add_argument("--states-on-host", action="store_true",
+                     help="with --zero 3: the shards on the host, the device holding what FSDP2 gathers "
+                          "(examples/training.py --fsdp --offload-states)")
     est.add_argument("--activations", choices=ESTIMATED_POLICIES, default="none")
     est.add_argument("--alpha", type=_number(0, 1), default=1.0, help="memo: offloaded token fraction")
     est.add_argument("--exact", action="store_true", help="count lse and RMSNorm statistics too")
@@ -138,6 +141,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                      help="memo alphas to try (comma-separated)")
     pln.add_argument("--zero", type=_list_of(_zero_stage), default=(0, 1, 2, 3),
                      help="ZeRO stages to try over dp*cp*hp (default: all; FSDP2 runs 2 and 3)")
+    pln.add_argument("--no-states-on-host", action="store_true",
+                     help="do not also try ZeRO-3 with the states on the host (--fsdp --offload-states)")
     pln.add_argument("--placements", type=_choice_list(PLACEMENTS), default=PLACEMENTS)
     pln.add_argument("--paper-terms", action="store_true",
                      help="the 4D paper's terms only (no lse / norm statistics / ring buffers / overheads)")

@@ -21,8 +21,9 @@ def print_estimate(result, title, model, config, options, console) -> None:
     for name, gib in result.overheads.items():
         table.add_row(f"overhead: {name}", f"{gib:.2f}", "MemoryOptions constant")
     table.add_row("total with overheads", f"{result.total_gib:.2f}", "")
-    for name, gib in result.host.items():
+    if result.host:
         table.add_section()
+    for name, gib in result.host.items():
         table.add_row(name, f"{gib:.2f}", result.sources[name] + " (host memory, not GPU)")
     console.print(table)
     if options.lm_head_chunk is not None:
@@ -40,16 +41,22 @@ def print_estimate(result, title, model, config, options, console) -> None:
 
 
 def print_longest(longest, model, gpus, hardware, console) -> None:
+    from loong_compile.estimate.search import model_states_label
+
     table = Table(title=f"{model.name}, {gpus} x {hardware.name} ({hardware.memory_gib:g} GiB): the longest "
                         "sequence each mesh fits", title_justify="left")
-    for column in ("dp", "cp", "hp", "lengths: multiples of", "longest", "with (least memory)", "GiB"):
+    for column in ("dp", "cp", "hp", "lengths: multiples of", "longest", "with (least memory)", "GiB",
+                   "host GiB/node"):
         table.add_column(column, justify="left" if column.startswith("with") else "right", no_wrap=True)
+    node_gpus = hardware.gpus_in_node(gpus)
     for m in longest.meshes:
         c = m.configuration
         with_ = "-" if c is None else (f"{c['activations']}" + (f" a={c['alpha']:g}" if c["activations"] == "memo"
-                                                                  else "") + f", ZeRO-{c['zero']}")
+                                                                  else "")
+                                       + f", {model_states_label(c['zero'], c['states_on_host'])}")
         table.add_row(str(m.dp), str(m.cp), str(m.hp), f"{m.step:,}", f"{m.longest:,}" if m.longest else "none",
-                      with_, "-" if m.estimate_gib is None else f"{m.estimate_gib:.2f}")
+                      with_, "-" if m.estimate_gib is None else f"{m.estimate_gib:.2f}",
+                      "-" if m.host_gib is None else f"{node_gpus * m.host_gib:.1f}")
     console.print(table)
     if not longest.seq:
         console.print("[red]no configuration fits at any length[/red]: even the shortest length of each mesh "
@@ -71,7 +78,8 @@ def print_plan(result, seq, args, published, explanation, console) -> None:
     for i, c in enumerate(result.ranked[:args.top], 1):
         policy = c.activations + (f" a={c.alpha:g}" if c.activations == "memo" else "")
         table.add_row(str(i), str(c.config.dp), str(c.config.cp), str(c.config.hp), c.placement,
-                      str(c.config.inner_ring), policy, str(c.zero), f"{c.memory.estimate_gib:.1f}",
+                      str(c.config.inner_ring), policy, c.model_states.removeprefix("ZeRO-"),
+                      f"{c.memory.estimate_gib:.1f}",
                       f"{c.memory.headroom_gib:.1f}", f"{c.cost.attention.total_s * 1e3:.2f}",
                       f"{c.cost.total_s * 1e3:.2f}", f"{c.step_s:.2f}", f"{c.mfu:.1%}",
                       f"{c.tokens_per_gpu_s:,.0f}")
@@ -79,7 +87,10 @@ def print_plan(result, seq, args, published, explanation, console) -> None:
     if result.best is None:
         console.print("[red]no configuration fits[/red]; pruned because:")
     else:
-        console.print(f"recommended (#1; model states under ZeRO-{result.best.zero} over dp*cp*hp, "
+        best = result.best
+        host = (f", {hardware.gpus_in_node(args.gpus) * best.memory.host_gib:.1f} GiB of host memory per node"
+                if best.memory.host_gib else "")
+        console.print(f"recommended (#1; model states under {best.model_states} over dp*cp*hp{host}, "
                       f"micro-batch {args.micro_batch}; times are cost-model predictions):")
         console.print(f"  torch.compile(model, backend=\"loong\", options={result.best.options!r})",
                       highlight=False, soft_wrap=True)
@@ -96,7 +107,9 @@ def print_plan(result, seq, args, published, explanation, console) -> None:
             console.print(f"  {p.config}: {p.reason}", highlight=False)
     console.print("searched: what torch.compile(backend=\"loong\") runs: dp x cp x hp meshes (tp = pp = 1), "
                   f"activations {', '.join(args.activations)}, ZeRO {', '.join(map(str, args.zero))} over "
-                  "dp*cp*hp; tensor and pipeline parallelism: loong estimate --tp/--pp", highlight=False,
+                  "dp*cp*hp" + ("" if args.no_states_on_host or 3 not in args.zero else
+                                " (ZeRO-3 also with the states on the host)")
+                  + "; tensor and pipeline parallelism: loong estimate --tp/--pp", highlight=False,
                   soft_wrap=True)
     for line in explanation or ():
         console.print(line, highlight=False, soft_wrap=True)

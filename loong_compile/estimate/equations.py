@@ -3,7 +3,8 @@
 The 4D-parallelism memory estimator (``shared/papers/4d-parallelism-memory-estimator.txt``,
 eqs. 1-18) is reproduced term by term; its total is eq. 18.  Extension terms, each behind
 a switch and all reducing to the paper when switched off, cover what LoongTrain and MEMO
-add: head parallelism ``d_hp`` beside ``d_cp``, ZeRO stages 0-3 over ``d * d_cp * d_hp``,
+add: head parallelism ``d_hp`` beside ``d_cp``, ZeRO stages 0-3 over ``d * d_cp * d_hp`` (ZeRO-3
+also with its shards on the host, as FSDP2's CPU offload keeps them),
 activation policies (``full``, ``sc++``, ``memo`` with ``alpha``) and the Double-Ring's KV
 buffers.  The model enters through the paper's symbols plus what other families add: an
 explicit head dimension, the per-layer parameter counts (eqs. 1-2 for the paper's Llama
@@ -73,8 +74,10 @@ TOTAL_PARAMS = (2 - tied) * h * v + h + L * (psi_t + psi_r)   # eq. 3
 # first stage holds the embedding, the last the LM head and final norm; with p = 1 the only
 # stage holds both (the form of eq. 6, which the paper's PP=1 table rows use).
 # A tied LM head is the embedding, held once when one stage holds both.
-STAGE_PARAMS = (FIRST_STAGE * h * v / t + LAST_STAGE * ((1 - tied * FIRST_STAGE) * h * v / t + h)
-                + (L / p) * (psi_t / t + psi_r))
+BLOCK_PARAMS = psi_t / t + psi_r                      # one transformer layer, one TP rank
+# outside the layers: the embedding (first stage), the LM head and final norm (last stage)
+OUTER_PARAMS = FIRST_STAGE * h * v / t + LAST_STAGE * ((1 - tied * FIRST_STAGE) * h * v / t + h)
+STAGE_PARAMS = OUTER_PARAMS + (L / p) * BLOCK_PARAMS
 
 # Bytes per parameter (section 3.1): bf16 weight, fp32 gradient (accumulated in fp32),
 # fp32 master weight + Adam momentum + variance.  6 + 12 = 18 (eq. 4).
@@ -83,16 +86,41 @@ WEIGHT_BYTES, GRADIENT_BYTES, OPTIMIZER_BYTES = 2, 4, 12
 ZERO_GROUP = d * c * hp
 
 
-def model_state_terms(zero: int) -> list[Term]:
+# ZeRO-3 with the states on the host (FSDP2's CPUOffloadPolicy on every unit, as
+# examples/training.py --fsdp --offload-states shards them): ZeRO-3's shards stay in host memory
+# and the optimizer steps there.  The device holds the units FSDP2 gathers: the root unit
+# (embedding and final norm; FSDP2 keeps the root unsharded from its forward through its
+# backward), the LM-head unit while it runs, and two blocks (the one running and the one
+# prefetched), in the parameters' dtype, and as much again for their unsharded gradients until
+# the reduce-scatter sends each shard to the host.  All of them at once is an upper bound: the
+# head runs beside one block, and the embedding's gradient appears only at the backward's end.
+GATHERED_PARAMS = OUTER_PARAMS + 2 * BLOCK_PARAMS
+_GATHERED = ("FSDP2 states on host: root unit (embedding, final norm), LM-head unit, "
+             "running + prefetched block, unsharded")
+GATHERED_ON_DEVICE = (
+    Term("parameters (gathered on device)", "model states", WEIGHT_BYTES * GATHERED_PARAMS, _GATHERED),
+    Term("gradients (unsharded on device)", "model states", WEIGHT_BYTES * GATHERED_PARAMS,
+         _GATHERED + ", until the reduce-scatter"),
+)
+
+
+def model_state_terms(zero: int, states_on_host: bool = False) -> list[Term]:
     """Weights, gradients, optimizer states; ZeRO stage ``zero`` shards the first ``zero`` of
-    (optimizer states, gradients, weights) over ``d * d_cp * d_hp`` ranks (ZeRO-1 = eq. 10)."""
+    (optimizer states, gradients, weights) over ``d * d_cp * d_hp`` ranks (ZeRO-1 = eq. 10).
+    ``states_on_host`` (ZeRO-3 only): those shards are host terms, and the device holds
+    ``GATHERED_ON_DEVICE``."""
     def shard(level: int) -> sp.Expr:
         return ZERO_GROUP if zero >= level else sp.Integer(1)
 
     source = "4D eqs. 4-10" + (f"; ZeRO-{zero} over d*c*d_hp (LoongTrain 5.1)" if zero != 1 else "")
-    return [Term("parameters", "model states", WEIGHT_BYTES * STAGE_PARAMS / shard(3), source),
-            Term("gradients", "model states", GRADIENT_BYTES * STAGE_PARAMS / shard(2), source),
-            Term("optimizer states", "model states", OPTIMIZER_BYTES * STAGE_PARAMS / shard(1), source)]
+    states = [Term("parameters", "model states", WEIGHT_BYTES * STAGE_PARAMS / shard(3), source),
+              Term("gradients", "model states", GRADIENT_BYTES * STAGE_PARAMS / shard(2), source),
+              Term("optimizer states", "model states", OPTIMIZER_BYTES * STAGE_PARAMS / shard(1), source)]
+    if not states_on_host:
+        return states
+    return list(GATHERED_ON_DEVICE) + [
+        Term(f"host: {x.name}", "host", x.expr, f"{x.source}; on the host (FSDP2 CPUOffloadPolicy)")
+        for x in states]
 
 
 # --- activations of one transformer layer (eqs. 11-12, LoongTrain 4.5.5 / 5.2, MEMO 4.1) ---
@@ -233,12 +261,26 @@ def activation_terms(policy: str, exact: bool, working_set: bool, memo_alpha_zer
                           "token tiling: one tile's intermediates and their gradients "
                           "(estimate/tiling.py)"))
     tokens = LOCAL_TOKENS / t
-    terms.append(Term("activations: embedding", "activations", FIRST_STAGE * 8 * tokens * h * p,
+    terms.append(OUTSIDE_LAYERS if exact else
+                 Term("activations: embedding", "activations", FIRST_STAGE * 8 * tokens * h * p,
                       "4D eq. 13 (as printed: 8sbhp)"))
     terms.append(LM_HEAD_CHUNKED if lm_head_chunked else
                  Term("activations: LM head", "activations", LAST_STAGE * 4 * tokens * h * (1 + v / h),
                       "4D eq. 14 (delta_{p,1} in eq. 16)"))
     return terms
+
+
+# What the compiled step keeps outside its transformer layers, per local token, besides the LM
+# head (eq. 13's 8sbhp is not it: the embedding's backward needs only the token ids).  The first
+# stage, for each micro-batch in flight: the token ids (int64, for the embedding's backward), the
+# document ids the attention pass builds (int64) and RoPE's angles (transformers computes them
+# in float32 whatever the model's dtype; cos and sin are recomputed from them).  The last stage:
+# the labels (int64), the final norm's input and its 1/rms (float32).
+# tests/estimate/test_estimate_crosscheck.py compares this with the compiled graph.
+OUTSIDE_LAYERS = Term(
+    "activations: outside the layers", "activations",
+    LOCAL_TOKENS / t * (FIRST_STAGE * p * (8 + 8 + 4 * hd) + LAST_STAGE * (8 + beta * h + 4)),
+    "compiled graph: token and document ids, RoPE angles (fp32), labels, final norm input + 1/rms")
 
 
 # The LM head and its loss as the compiler runs them when the loss is in the graph
@@ -269,9 +311,10 @@ RING_BUFFER_TERM = Term("Double-Ring KV buffers", "buffers", n_ring_buffers * KV
 
 
 def all_terms(zero: int, policy: str, exact: bool, working_set: bool, alpha_zero: bool,
-              ring_buffers: bool, lm_head_chunked: bool = False, tiled: bool = False) -> list[Term]:
+              ring_buffers: bool, lm_head_chunked: bool = False, tiled: bool = False,
+              states_on_host: bool = False) -> list[Term]:
     """Every term for these switches (see ``MemoryOptions``), symbolic in ``SYMBOLS``."""
-    terms = model_state_terms(zero)
+    terms = model_state_terms(zero, states_on_host)
     terms += activation_terms(policy, exact, working_set, memo_alpha_zero=alpha_zero,
                               lm_head_chunked=lm_head_chunked, tiled=tiled)
     if ring_buffers:

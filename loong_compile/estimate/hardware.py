@@ -72,6 +72,10 @@ class HardwareProfile:
                                        f"{field} is a fraction of peak, in (0, 1]",
                                        f"give {field} e.g. 0.5")
 
+    def gpus_in_node(self, gpus: int) -> int:
+        """How many of a run's ``gpus`` share one node's host memory (the fullest node)."""
+        return min(gpus, self.gpus_per_node)
+
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 

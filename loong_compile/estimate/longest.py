@@ -4,7 +4,7 @@ Per ``dp x cp x hp`` mesh the backend runs, the lengths it accepts are the multi
 layout's sequence divisor (``parallel.rules.sequence_divisor``; of its least common multiple with
 ``seq_multiple`` when the user wants rounder lengths).  On each mesh, "some configuration
 passes ``plan``'s memory rules" (``search.screen``: the estimator's verdict, the usable
-fraction, memo's host budget) holds up to a length and not beyond, since every memory term
+fraction, the node's host memory) holds up to a length and not beyond, since every memory term
 grows with the sequence; an exponential then binary search over the multiples finds that
 length.  The longest over meshes is then planned as ``loong plan --seq`` would plan it, so
 what is reported is ``plan``'s ranked configurations at that length.  Memory is the
@@ -29,7 +29,8 @@ SEARCH_LIMIT = 2 ** 40
 @dataclasses.dataclass(frozen=True)
 class MeshReach:
     """How far one mesh goes: ``longest`` tokens (0: not even ``step``), a multiple of ``step``;
-    ``configuration``: the one using the least memory there, ``estimate_gib`` its estimate."""
+    ``configuration``: the one using the least memory there, ``estimate_gib`` its estimate and
+    ``host_gib`` what it keeps on the host, per GPU."""
 
     dp: int
     cp: int
@@ -38,6 +39,7 @@ class MeshReach:
     longest: int
     configuration: dict | None
     estimate_gib: float | None
+    host_gib: float | None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -61,12 +63,13 @@ def longest_sequence(model: ModelSpec, gpus: int, hardware: HardwareProfile, *, 
                      policies: tuple[str, ...] = ACTIVATION_POLICIES,
                      alphas: tuple[float, ...] = (0.0, 0.5, 1.0), zero_stages: tuple[int, ...] = ZERO_STAGES,
                      micro_batch: int = 1, placements: tuple[str, ...] = PLACEMENTS, memory_options=None,
-                     doc_length: int = 0) -> LongestSequence:
+                     doc_length: int = 0, states_on_host: bool = True) -> LongestSequence:
     """The longest sequence some configuration of ``plan``'s search fits, per mesh and overall.
     The keyword arguments are ``plan``'s; ``seq_multiple``: report multiples of it only."""
     check_search(seq_multiple, gpus, micro_batch, policies, placements)
     search = dict(policies=policies, alphas=alphas, zero_stages=zero_stages, micro_batch=micro_batch,
-                  placements=placements, memory_options=memory_options, doc_length=doc_length)
+                  placements=placements, memory_options=memory_options, doc_length=doc_length,
+                  states_on_host=states_on_host)
     meshes = []
     for hp in divisors(gpus):
         if head_violation(model.heads, model.kv_heads, hp):
@@ -102,8 +105,8 @@ def _reach(model, gpus, hardware, mesh, step, search) -> MeshReach:
         else:
             best, fits = found, middle
     if best is None:
-        return MeshReach(*mesh, step, 0, None, None)
-    config, placement, policy, alpha, zero, _, memory = best
+        return MeshReach(*mesh, step, 0, None, None, None)
+    config, placement, policy, alpha, zero, options, memory = best
     described = {"placement": placement, "inner_ring": config.inner_ring, "activations": policy,
-                 "alpha": alpha, "zero": zero}
-    return MeshReach(*mesh, step, fits * step, described, memory.estimate_gib)
+                 "alpha": alpha, "zero": zero, "states_on_host": options.states_on_host}
+    return MeshReach(*mesh, step, fits * step, described, memory.estimate_gib, memory.host_gib)

@@ -99,6 +99,8 @@ class MemoryOptions:
     activations: ``none`` (everything saved, eq. 12), ``full`` (layer inputs only), ``sc++``
         (LoongTrain's Selective Checkpoint++), ``memo`` (MEMO's swapping with ``alpha``).
     zero: ZeRO stage 0-3 over d*cp*hp (the paper: 1).
+    states_on_host: with ``zero=3``, the shards in host memory and on the device only what
+        FSDP2 gathers (``equations.GATHERED_ON_DEVICE``; examples/training.py --fsdp --offload-states).
     exact: also count the tensors eq. 12 leaves out (lse, RMSNorm statistics).
     double_ring_buffers: count the Double-Ring's KV buffers.
     recompute_working_set: count one layer's recomputed tensors (policies that recompute).
@@ -116,6 +118,7 @@ class MemoryOptions:
     activations: str = "none"
     alpha: float = 1.0
     zero: int = 1
+    states_on_host: bool = False
     exact: bool = False
     double_ring_buffers: bool = False
     recompute_working_set: bool = True
@@ -139,6 +142,10 @@ class MemoryOptions:
             raise bad("alpha", "alpha must be a number in [0, 1]", "pass e.g. alpha=0.5")
         if self.zero not in (0, 1, 2, 3):
             raise bad("zero", "zero must be a ZeRO stage 0, 1, 2 or 3", "pass zero=1")
+        if self.states_on_host and self.zero != 3:
+            raise LoongConfigError(f"states_on_host=True with zero={self.zero}",
+                                   "the host keeps ZeRO-3's shards (FSDP2's CPU offload): "
+                                   "states_on_host needs zero=3", "pass zero=3, or states_on_host=False")
         if isinstance(self.dtype_bytes, bool) or self.dtype_bytes not in (1, 2, 4, 8):
             raise bad("dtype_bytes", "dtype_bytes must be 1, 2, 4 or 8", "pass 2 for bf16")
         for name in ("cuda_context_gib", "comm_buffers_gib", "fragmentation"):
@@ -172,7 +179,8 @@ class MemoryOptions:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryBreakdown:
-    """GiB per named term (``terms``: the estimate; ``host``: host memory per GPU, memo only;
+    """GiB per named term (``terms``: the estimate; ``host``: host memory per GPU: memo's
+    offloaded activations, the model states when they are on the host;
     ``overheads``: apart from the estimate).  ``capacity_gib`` is the GPU's memory, if known."""
 
     terms: dict[str, float]
@@ -223,9 +231,14 @@ class MemoryBreakdown:
 def memory_terms(options: MemoryOptions, tiled: bool = False) -> list[Term]:
     """All terms for these switches (symbolic; see ``SYMBOLS``); ``tiled``: the MLP tiled
     (``mlp_tile`` says where the compiler tiles it)."""
-    return all_terms(options.zero, options.activations, options.exact, options.recompute_working_set,
-                     options.alpha == 0, options.double_ring_buffers, options.lm_head_chunk is not None,
-                     tiled)
+    return all_terms(*_switches(options, tiled))
+
+
+def _switches(options: MemoryOptions, tiled: bool) -> tuple:
+    """``all_terms``'s arguments for these options, in order (hashable: ``_compiled``'s key)."""
+    return (options.zero, options.activations, options.exact, options.recompute_working_set,
+            options.alpha == 0, options.double_ring_buffers, options.lm_head_chunk is not None, tiled,
+            options.states_on_host)
 
 
 @functools.lru_cache(maxsize=256)
@@ -236,11 +249,8 @@ def _lambdified(expr: sp.Expr) -> Callable[..., float]:
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(zero: int, policy: str, exact: bool, working_set: bool, alpha_zero: bool,
-              ring: bool, chunked: bool, tiled: bool) -> tuple[tuple[Term, Callable[..., float]], ...]:
-    return tuple((term, _lambdified(term.expr))
-                 for term in all_terms(zero, policy, exact, working_set, alpha_zero, ring, chunked,
-                                       tiled))
+def _compiled(switches: tuple) -> tuple[tuple[Term, Callable[..., float]], ...]:
+    return tuple((term, _lambdified(term.expr)) for term in all_terms(*switches))
 
 
 def ring_buffer_count(config: ParallelConfig) -> int:
@@ -292,9 +302,7 @@ def estimate_memory(model: ModelSpec, config: ParallelConfig, options: MemoryOpt
     if capacity_gib is not None and (isinstance(capacity_gib, bool) or capacity_gib <= 0):
         raise LoongConfigError(f"capacity_gib={capacity_gib!r}", "GPU capacity must be > 0 GiB",
                                "pass the GPU's memory in GiB, e.g. 80")
-    compiled = _compiled(options.zero, options.activations, options.exact, options.recompute_working_set,
-                         options.alpha == 0, options.double_ring_buffers, options.lm_head_chunk is not None,
-                         mlp_tiled(model, config, options))
+    compiled = _compiled(_switches(options, mlp_tiled(model, config, options)))
     values = symbol_values(model, config, options)
     terms, host, sources = {}, {}, {}
     for term, fn in compiled:

@@ -31,7 +31,7 @@ def _label(c: Candidate) -> str:
     d = c.describe()
     alpha = f" alpha={d['alpha']:g}" if d["activations"] == "memo" else ""
     return (f"dp={d['dp']} cp={d['cp']} hp={d['hp']} {d['placement']} ring={d['inner_ring']} "
-            f"{d['activations']}{alpha} ZeRO-{d['zero']}")
+            f"{d['activations']}{alpha} {c.model_states}")
 
 
 def _versus(c: Candidate, other: Candidate, name: str, layers: int) -> list[str]:
@@ -55,7 +55,7 @@ def explain_rank(result: Ranking, n: int) -> list[str]:
              f"  predicted step {c.step_s:.3f} s (one micro-batch per replica), MFU {c.mfu:.1%}, "
              f"{c.tokens_per_gpu_s:,.0f} tokens/GPU/s",
              f"  memory {c.memory.estimate_gib:.2f} GiB of {c.memory.limit_gib:.2f} usable "
-             f"(headroom {c.memory.headroom_gib:.2f} GiB)" + (f"; host {c.memory.host_gib:.2f} GiB"
+             f"(headroom {c.memory.headroom_gib:.2f} GiB)" + (f"; host {c.memory.host_gib:.2f} GiB per GPU"
                                                               if c.memory.host_gib else ""),
              "  step by part:"]
     layers = result.model.layers

@@ -5,8 +5,10 @@ Only what ``torch.compile(backend="loong")`` runs is searched: every ``dp x cp x
 grid (tp = pp = 1: the backend's mesh; tensor and pipeline parallelism stay in ``loong
 estimate``) with both placements and every inner-ring size, the backend's activation
 policies (MEMO on a grid of ``alpha`` values) and ZeRO stages 0-3 over ``dp * cp * hp``
-(FSDP2, ``step.py``).  Each is estimated for memory (the 80% rule:
-``MemoryBreakdown.verdict``) and host memory (memo).  What fits is ranked by predicted
+(FSDP2, ``step.py``), ZeRO-3 also with its states on the host.  Each is estimated for memory
+(the 80% rule: ``MemoryBreakdown.verdict``) and host memory (memo's offloaded activations and
+the states on the host, summed over the GPUs of a node, within the same usable fraction of the
+node's host memory).  What fits is ranked by predicted
 throughput (``step_cost``); what does not is kept with the reason.  Which grids the backend
 refuses (sequence, heads, sliding windows shorter than the sequence under ``hp·cp > 1``)
 comes from ``loong_compile/parallel/rules.py``, the rules the backend applies.
@@ -37,6 +39,23 @@ ZERO_LAUNCH = {
     2: "fully_shard(block, mesh=world, reshard_after_forward=False) per block",
     3: "fully_shard(block, mesh=world) per block (examples/training.py --fsdp)",
 }
+HOST_LAUNCH = ("fully_shard(unit, mesh=world, offload_policy=CPUOffloadPolicy()) per block, head and root "
+               "(examples/training.py --fsdp --offload-states)")
+
+
+def model_states_label(zero: int, states_on_host: bool) -> str:
+    """How the tables name a ZeRO stage: ``ZeRO-3``, or ``ZeRO-3 + host`` with the states on the host."""
+    return f"ZeRO-{zero}" + (" + host" if states_on_host else "")
+
+
+def model_state_choices(zero_stages: tuple[int, ...], states_on_host: bool):
+    """(ZeRO stage, states on the host) pairs searched: every stage on the device and, with
+    ``states_on_host``, ZeRO-3 with its shards on the host (the example offloads FSDP2's shards:
+    ``--fsdp --offload-states``)."""
+    for zero in zero_stages:
+        yield zero, False
+        if zero == 3 and states_on_host:
+            yield zero, True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +67,7 @@ class Candidate:
     activations: str
     alpha: float | None
     zero: int
+    states_on_host: bool
     memory: MemoryBreakdown
     cost: LayerCost
     step: StepCost
@@ -81,19 +101,32 @@ class Candidate:
         nodes = f"--nnodes {gpus // 8} --nproc-per-node 8" if gpus > 8 and gpus % 8 == 0 else \
             f"--nproc-per-node {gpus}"
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.options.items())
-        fsdp = " --fsdp" if self.zero == 3 else ""
+        fsdp = (" --fsdp" if self.zero == 3 else "") + (" --offload-states" if self.states_on_host else "")
+        how = HOST_LAUNCH if self.states_on_host else ZERO_LAUNCH[self.zero]
         return (f"torchrun {nodes} {model_flag} --seq {self.config.seq} --batch {self.config.micro_batch} "
-                f"{flags}{fsdp}  # ZeRO-{self.zero}: {ZERO_LAUNCH[self.zero]}")
+                f"{flags}{fsdp}  # {self.model_states}: {how}")
+
+    @property
+    def model_states(self) -> str:
+        """``ZeRO-N``, or ``ZeRO-3 + host``."""
+        return model_states_label(self.zero, self.states_on_host)
 
     def describe(self) -> dict:
-        return {"dp": self.config.dp, "cp": self.config.cp, "hp": self.config.hp,
-                "placement": self.placement, "inner_ring": self.config.inner_ring,
-                "activations": self.activations, "alpha": self.alpha, "zero": self.zero}
+        return _described(self.config, self.placement, self.activations, self.alpha, self.zero,
+                          self.states_on_host)
 
     def to_dict(self) -> dict:
         return {**self.describe(), "memory": self.memory.to_dict(), "cost": self.cost.to_dict(),
                 "step": self.step.to_dict(), "step_s": self.step_s, "mfu": self.mfu,
                 "tokens_per_gpu_s": self.tokens_per_gpu_s, "options": self.options, "launch": self.launch()}
+
+
+def _described(config: ParallelConfig, placement: str, activations: str, alpha: float | None, zero: int,
+               states_on_host: bool) -> dict:
+    """One searched configuration as ``Candidate.describe`` and ``Pruned.config`` give it."""
+    return {"dp": config.dp, "cp": config.cp, "hp": config.hp, "placement": placement,
+            "inner_ring": config.inner_ring, "activations": activations, "alpha": alpha, "zero": zero,
+            "states_on_host": states_on_host}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,26 +213,25 @@ def screen(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, pru
            policies: tuple[str, ...] = ACTIVATION_POLICIES, alphas: tuple[float, ...] = (0.0, 0.5, 1.0),
            zero_stages: tuple[int, ...] = ZERO_STAGES, micro_batch: int = 1,
            placements: tuple[str, ...] = PLACEMENTS, memory_options: MemoryOptions | None = None,
-           doc_length: int = 0, meshes=None):
+           doc_length: int = 0, meshes=None, states_on_host: bool = True):
     """Every configuration ``plan`` searches at ``seq`` that passes the layout rules and the
     memory rules, as ``(config, placement, policy, alpha, zero, options, memory)``; the others
     go to ``pruned`` with their reason.  ``plan`` ranks what this yields; ``longest_sequence``
     asks it whether anything fits."""
     base = memory_options or MemoryOptions.loongtrain()
-    host_budget_gib = base.usable_fraction * hardware.host_memory_gib / hardware.gpus_per_node
+    node_gpus = hardware.gpus_in_node(gpus)
     for grid, placement in _grids(model, seq, gpus, placements, pruned, doc_length, meshes):
         config = dataclasses.replace(grid, micro_batch=micro_batch)
-        for zero in zero_stages:
+        for zero, on_host in model_state_choices(zero_stages, states_on_host):
             for policy in policies:
                 for alpha in alphas if policy == "memo" else (None,):
-                    options = dataclasses.replace(base, activations=policy, zero=zero,
+                    options = dataclasses.replace(base, activations=policy, zero=zero, states_on_host=on_host,
                                                   alpha=1.0 if alpha is None else alpha)
                     memory = estimate_memory(model, config, options, hardware.memory_gib)
-                    reason = _memory_reason(memory, host_budget_gib)
+                    reason = _memory_reason(memory, node_gpus, hardware.host_memory_gib)
                     if reason:
-                        pruned.append(Pruned({"dp": config.dp, "cp": config.cp, "hp": config.hp,
-                                              "placement": placement, "inner_ring": config.inner_ring,
-                                              "activations": policy, "alpha": alpha, "zero": zero}, reason))
+                        pruned.append(Pruned(_described(config, placement, policy, alpha, zero, on_host),
+                                             reason))
                         continue
                     yield config, placement, policy, alpha, zero, options, memory
 
@@ -208,24 +240,27 @@ def plan(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, *,
          policies: tuple[str, ...] = ACTIVATION_POLICIES, alphas: tuple[float, ...] = (0.0, 0.5, 1.0),
          zero_stages: tuple[int, ...] = ZERO_STAGES, micro_batch: int = 1,
          placements: tuple[str, ...] = PLACEMENTS,
-         memory_options: MemoryOptions | None = None, doc_length: int = 0) -> Ranking:
+         memory_options: MemoryOptions | None = None, doc_length: int = 0,
+         states_on_host: bool = True) -> Ranking:
     """Enumerate, prune and rank.  ``memory_options`` supplies the switches and overheads
     (default ``MemoryOptions.loongtrain()``); its policy, alpha and ZeRO stage are searched.
-    ``doc_length``: mean packed document length (0: one document per sequence)."""
+    ``doc_length``: mean packed document length (0: one document per sequence).
+    ``states_on_host``: with ZeRO-3 searched, search it with the states on the host too."""
     check_search(seq, gpus, micro_batch, policies, placements)
     ranked, pruned = [], []
     for config, placement, policy, alpha, zero, options, memory in screen(
             model, seq, gpus, hardware, pruned, policies=policies, alphas=alphas, zero_stages=zero_stages,
             micro_batch=micro_batch, placements=placements, memory_options=memory_options,
-            doc_length=doc_length):
+            doc_length=doc_length, states_on_host=states_on_host):
         offload = 0.0
         if policy == "memo":
             sizes = category_bytes(model, config, options)
             offload = sizes["input"] + sizes["attention"] + alpha * sizes["other"]
         cost = layer_cost(model, config, placement, hardware, policy, alpha or 0.0,
                           offload, options.dtype_bytes)
-        step = step_cost(model, config, cost, zero, hardware)
-        ranked.append(Candidate(config, placement, policy, alpha, zero, memory, cost, step))
+        step = step_cost(model, config, cost, zero, hardware, options.states_on_host)
+        ranked.append(Candidate(config, placement, policy, alpha, zero, options.states_on_host, memory,
+                                cost, step))
     ranked = _drop_dominated_rings(ranked, pruned)
     ranked.sort(key=lambda x: (-x.tokens_per_gpu_s, x.memory.estimate_gib, placements.index(x.placement)))
     return Ranking(model, seq, gpus, hardware, tuple(ranked), tuple(pruned))
@@ -246,14 +281,18 @@ def _drop_dominated_rings(ranked: list[Candidate], pruned: list[Pruned]) -> list
     return kept
 
 
-def _memory_reason(memory: MemoryBreakdown, host_budget_gib: float) -> str | None:
+def _memory_reason(memory: MemoryBreakdown, node_gpus: int, host_memory_gib: float) -> str | None:
+    """Why ``memory`` does not fit, or None: the GPU's memory rules, then the host's: what the
+    ``node_gpus`` GPUs of a node keep on the host within the same usable fraction of its memory."""
     if memory.verdict == "exceeds":
         return (f"memory: {memory.estimate_gib:.2f} GiB estimate, {memory.total_gib:.2f} GiB with "
                 f"overheads, over the {memory.capacity_gib:g} GiB GPU")
     if memory.verdict == "near limit":
         return (f"memory (headroom rule): {memory.estimate_gib:.2f} GiB estimate > {memory.limit_gib:.2f} GiB "
                 f"= {memory.usable_fraction:g} x {memory.capacity_gib:g} GiB")
-    if memory.host_gib > host_budget_gib:
-        return (f"host memory: {memory.host_gib:.2f} GiB offloaded per GPU > {host_budget_gib:.2f} GiB "
-                "host budget per GPU")
+    node_host_gib = node_gpus * memory.host_gib
+    if node_host_gib > memory.usable_fraction * host_memory_gib:
+        return (f"host memory: {node_host_gib:.2f} GiB per node ({node_gpus} GPUs x {memory.host_gib:.2f} GiB "
+                f"on the host) > {memory.usable_fraction * host_memory_gib:.2f} GiB "
+                f"= {memory.usable_fraction:g} x {host_memory_gib:g} GiB host memory per node")
     return None

@@ -12,7 +12,12 @@ runs them (``examples/training.py``, ``shard_with_fsdp2``: one ``fully_shard`` p
   reduce-scatter in the backward;
 * ZeRO-1: gradients reduce-scattered during the backward (bucketed, overlapped), the updated
   parameters all-gathered after the optimizer step (not overlapped);
-* ZeRO-0: gradients all-reduced during the backward (overlapped).
+* ZeRO-0: gradients all-reduced during the backward (overlapped);
+* ZeRO-3 with the states on the host (``--fsdp --offload-states``): as ZeRO-3, each unit's
+  parameter shard copied to the device before its all-gather and its gradient shard back to
+  the host after its reduce-scatter, over PCIe, on the same streams (FSDP2's copy-in and
+  reduce-scatter streams), so they hide behind compute as the collectives do.  The optimizer
+  step on the host is not counted.
 
 Collectives are NCCL rings: each rank moves ``(n - 1)/n`` of the buffer (twice for an
 all-reduce) at the per-GPU share of the slowest link the group spans, plus ``n - 1`` latencies.
@@ -37,8 +42,8 @@ class StepCost:
 
     layers_s: float
     lm_head_s: float
-    gather_s: float          # one block's parameter all-gather
-    reduce_s: float          # one block's gradient reduce-scatter (ZeRO-0: all-reduce)
+    gather_s: float          # one block's parameter all-gather (+ its shard's copy from the host)
+    reduce_s: float          # one block's gradient reduce-scatter (ZeRO-0: all-reduce; + copy to host)
     exposed_comm_s: float    # what of the ZeRO collectives compute does not hide
     model_flops: float       # per GPU per step
     peak_flops: float
@@ -76,29 +81,40 @@ def model_flops_per_sequence(model: ModelSpec, seq: int, doc_length: int = 0) ->
     return 3 * (2 * seq * weights + attention)
 
 
+def host_copy_seconds(nbytes: float, hw: HardwareProfile) -> float:
+    """A copy of ``nbytes`` between host and device memory."""
+    return nbytes / (hw.pcie_gbps * 1e9)
+
+
 def step_cost(model: ModelSpec, config: ParallelConfig, layer: LayerCost, zero: int,
-              hw: HardwareProfile) -> StepCost:
-    """Step time of ``config`` whose per-layer cost is ``layer``, under ZeRO stage ``zero``."""
+              hw: HardwareProfile, states_on_host: bool = False) -> StepCost:
+    """Step time of ``config`` whose per-layer cost is ``layer``, under ZeRO stage ``zero``
+    (``states_on_host``: ZeRO-3's shards on the host)."""
     ranks = config.dp * config.cp * config.hp
     tokens = config.micro_batch * config.seq / config.sp
     matmul_rate = hw.peak_tflops * 1e12 * hw.matmul_efficiency
     lm_head = 3 * 2 * tokens * model.hidden * model.vocab / matmul_rate
     block = model.layer_matmul_params + model.norm_params
     root = model.hidden * model.vocab * (1 if model.tied_embeddings else 2) + model.hidden
-    gather = collective_seconds(WEIGHT_BYTES * block, ranks, hw)
-    reduce = collective_seconds(GRADIENT_BYTES * block, ranks, hw, passes=2 if zero == 0 else 1)
+
+    def shard_copy(nbytes: float) -> float:
+        """One rank's shard of an ``nbytes`` unit across PCIe, when the states are on the host."""
+        return host_copy_seconds(nbytes / ranks, hw) if states_on_host else 0.0
+
+    gather = collective_seconds(WEIGHT_BYTES * block, ranks, hw) + shard_copy(WEIGHT_BYTES * block)
+    reduce = (collective_seconds(GRADIENT_BYTES * block, ranks, hw, passes=2 if zero == 0 else 1)
+              + shard_copy(GRADIENT_BYTES * block))
+    root_gather = collective_seconds(WEIGHT_BYTES * root, ranks, hw) + shard_copy(WEIGHT_BYTES * root)
     forward = layer.attention.forward_s + layer.dense_fwd_s + layer.elementwise_fwd_s
     backward = layer.total_s - forward
     n = model.layers
     if zero == 3:
-        exposed = (collective_seconds(WEIGHT_BYTES * root, ranks, hw)
-                   + n * (max(0.0, gather - forward) + max(0.0, gather + reduce - backward)))
+        exposed = root_gather + n * (max(0.0, gather - forward) + max(0.0, gather + reduce - backward))
     elif zero == 2:
-        exposed = (collective_seconds(WEIGHT_BYTES * root, ranks, hw)
-                   + n * (max(0.0, gather - forward) + max(0.0, reduce - backward)))
+        exposed = root_gather + n * (max(0.0, gather - forward) + max(0.0, reduce - backward))
     else:
         exposed = max(0.0, n * reduce - n * backward)
         if zero == 1:
-            exposed += n * gather + collective_seconds(WEIGHT_BYTES * root, ranks, hw)
+            exposed += n * gather + root_gather
     flops = config.micro_batch * model_flops_per_sequence(model, config.seq, config.doc_length) / config.sp
     return StepCost(n * layer.total_s, lm_head, gather, reduce, exposed, flops, hw.peak_tflops * 1e12)

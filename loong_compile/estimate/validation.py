@@ -150,7 +150,7 @@ def memo_cells(workloads=None) -> list[Cell]:
             best = memo_plan(gpus, size, seq_k * 1024).best
             ours = ("nothing fits" if best is None else
                     f"hp={best.config.hp} cp={best.config.cp} dp={best.config.dp} {best.activations}"
-                    + (f" a={best.alpha:g}" if best.activations == "memo" else "") + f" ZeRO-{best.zero}")
+                    + (f" a={best.alpha:g}" if best.activations == "memo" else "") + f" {best.model_states}")
             cells.append(Cell(f"{size} on {gpus} GPUs, {seq_k}K", mfu / 100, best.mfu if best else 0.0,
                               f"MEMO: TP={tp} CP={cp} DP={dp} PP={pp} a={alpha}; planner: {ours}"))
     return cells

@@ -114,3 +114,40 @@ def test_estimator_lm_head_term_equals_what_the_compiled_graph_keeps():
     assert kept == returned, (kept, returned)                    # dL/dhidden and dL/dW, fp32
     assert abs(term - (kept + working)) <= 0.02 * term, (term, kept, working)
     assert working < 0.2 * BATCH * SEQ * CFG.vocab_size * FP32        # one chunk, not the logits
+
+
+@pytest.mark.parametrize("policy", ["none", "sc++"])
+def test_estimator_counts_what_the_compiled_step_keeps(policy):
+    """Issue 52: every byte a transformers Llama's compiled step keeps for its backward (its
+    loss in the graph, the head chunked; one process, float32) is in the estimator's
+    activation terms: the layers', the LM head's, and what stays outside the layers (token,
+    document and label ids, RoPE's angles, the final norm's input and 1/rms, not eq. 13's
+    8sbhp)."""
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+
+    from loong_compile.estimate import lm_head
+    from loong_compile.estimate.hf_config import spec_from_config
+    from loong_compile.estimate.memory import MemoryOptions, ParallelConfig, estimate_memory
+
+    config = HFLlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).float()
+    ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    step = lambda i, p, l: model(i, position_ids=p, labels=l, use_cache=False).loss  # noqa: E731
+    report = lc.explain(step, ids, positions, ids, lowering="aot_eager", activations=policy,
+                        alpha=0.0, resident_layers=1, lm_head_chunk=16)
+    assert report.summary("lm_head_loss")["changed"]
+    compiled = report.summary("activations")["activation_bytes"] + 2 * ids.numel() * 8  # + ids, labels
+
+    spec = spec_from_config(config.to_dict(), "tiny-llama")
+    options = MemoryOptions(exact=True, activations=policy, alpha=0.0, dtype_bytes=FP32,
+                            lm_head_chunk=16, recompute_working_set=False)
+    terms = estimate_memory(spec, ParallelConfig(seq=SEQ, micro_batch=BATCH), options).terms
+    tokens = BATCH * SEQ
+    head_working = lm_head.working_bytes(16, config.vocab_size, FP32)
+    estimated = sum(gib for name, gib in terms.items() if name.startswith("activations")) * 2 ** 30
+    estimated -= head_working
+    assert abs(compiled - estimated) <= 0.02 * compiled, (compiled, estimated, terms)
+    assert terms["activations: outside the layers"] * 2 ** 30 < 8 * tokens * config.hidden_size

@@ -162,6 +162,35 @@ def test_zero_stages_symbolically():
     assert sp.simplify(psi - mem.TOTAL_PARAMS) == 0
 
 
+def test_states_on_host_leave_the_gathered_units_on_the_device():
+    """ZeRO-3 with the states on the host (FSDP2's CPU offload), Llama-3.1-8B on 8 GPUs: the
+    device holds the root unit (embedding, final norm), the LM head and two blocks, their bf16
+    parameters and as many gradient bytes; the host the 18 bytes a parameter over 8 ranks; the
+    activations are those of ZeRO-3."""
+    h, v, kv_width, ffn = 4096, 128256, 8 * 128, 14336
+    block = 2 * h * h + 2 * h * kv_width + 3 * h * ffn + 2 * h     # q, o; k, v; gate, up, down; 2 norms
+    gathered = (v * h + h) + v * h + 2 * block                     # root, head, running + prefetched
+    config, gpus = ParallelConfig(seq=8192, dp=8), 8
+    on_host = estimate_memory(LLAMA31_8B, config, MemoryOptions(zero=3, states_on_host=True))
+    on_device = estimate_memory(LLAMA31_8B, config, MemoryOptions(zero=3))
+    assert on_host.terms["parameters (gathered on device)"] * GIB == pytest.approx(2 * gathered, rel=1e-12)
+    assert on_host.terms["gradients (unsharded on device)"] * GIB == pytest.approx(2 * gathered, rel=1e-12)
+    params = 32 * block + 2 * v * h + h
+    assert params == LLAMA31_8B.parameters
+    assert on_host.host == pytest.approx({"host: parameters": 2 * params / gpus / GIB,
+                                          "host: gradients": 4 * params / gpus / GIB,
+                                          "host: optimizer states": 12 * params / gpus / GIB}, rel=1e-12)
+    device_states = sum(on_device.terms[x] for x in ("parameters", "gradients", "optimizer states"))
+    assert on_host.estimate_gib - on_device.estimate_gib == pytest.approx(
+        4 * gathered / GIB - device_states, rel=1e-12)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_states_on_host_need_zero3(zero):
+    with pytest.raises(LoongConfigError, match=f"states_on_host=True with zero={zero}"):
+        MemoryOptions(zero=zero, states_on_host=True)
+
+
 def test_model_states_hybrid_zero_over_hp():
     """d_hp shards model states like d_cp (LoongTrain 5.1): (cp, hp) = (2, 4) equals (8, 1)."""
     a = estimate_memory(LLAMA31_8B, ParallelConfig(seq=8192, dp=2, cp=2, hp=4))
@@ -256,10 +285,14 @@ def test_switches_off_reduce_to_the_paper():
                                 "activations: embedding", "activations: LM head"}
     exact = estimate_memory(LLAMA31_8B, config, MemoryOptions(exact=True))
     # exact adds the lse and the two norm statistics and drops SiLU(gate), which the compiler
-    # recomputes: per token (4a + 2*4 - 2 h_ffn) / t bytes, over the stage's L layers
+    # recomputes: per token (4a + 2*4 - 2 h_ffn) / t bytes, over the stage's L layers; and it
+    # counts what the compiled graph keeps outside the layers (ids, document ids, RoPE angles,
+    # labels, the final norm's input and 1/rms) instead of eq. 13's 8sbhp
     m, t, tokens = LLAMA31_8B, 2, 8192 // 2
     per_token = (4 * m.heads + 8 - 2 * m.ffn) / t
-    assert (exact.estimate_gib - paper.estimate_gib) * GIB == pytest.approx(m.layers * tokens * per_token, rel=1e-9)
+    outside = (8 + 8 + 4 * m.head_dim + 8 + 2 * m.hidden + 4) / t - 8 * m.hidden / t
+    assert (exact.estimate_gib - paper.estimate_gib) * GIB == pytest.approx(
+        tokens * (m.layers * per_token + outside), rel=1e-9)
 
 
 def test_overheads_are_reported_apart():

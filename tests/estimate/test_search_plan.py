@@ -8,7 +8,7 @@ import pytest
 from loong_compile.config import LoongConfig
 from loong_compile.errors import LoongConfigError
 from loong_compile.estimate.hardware import load_hardware
-from loong_compile.estimate.memory import MemoryOptions, ParallelConfig, estimate_memory
+from loong_compile.estimate.memory import GIB, MemoryOptions, ParallelConfig, estimate_memory
 from loong_compile.estimate.longest import longest_sequence
 from loong_compile.estimate.presets import load_model
 from loong_compile.estimate.search import plan
@@ -42,14 +42,14 @@ def test_pruned_configurations_say_why(result):
                                     inner_ring=p.config["inner_ring"])
             alpha = 1.0 if p.config["alpha"] is None else p.config["alpha"]
             options = MemoryOptions.loongtrain(activations=p.config["activations"], alpha=alpha,
-                                               zero=p.config["zero"])
+                                               zero=p.config["zero"], states_on_host=p.config["states_on_host"])
             memory = estimate_memory(LLAMA31_8B, config, options, H100.memory_gib)
             assert memory.verdict != "fits"
             assert f"{memory.estimate_gib:.2f} GiB" in p.reason
 
 
 def test_search_space_is_complete(result):
-    """Every (dp, cp, hp, placement, w, policy, ZeRO stage) appears either ranked or pruned."""
+    """Every (dp, cp, hp, placement, w, policy, model states) appears either ranked or pruned."""
     seen = {tuple(c.describe().values()) for c in result.ranked}
     seen |= {tuple(p.config.values()) for p in result.pruned if "placement" in p.config}
     grids = {(p.config["dp"], p.config["cp"], p.config["hp"]) for p in result.pruned if "placement" not in p.config}
@@ -58,7 +58,8 @@ def test_search_space_is_complete(result):
         for cp in (x for x in (1, 2, 4, 8, 16, 32, 64) if 64 % (x * hp) == 0):
             placements = 2 if hp > 1 and cp > 1 else 1
             rings = max(1, len([w for w in (1, 2, 4, 8, 16, 32) if cp % w == 0 and w < cp]))
-            expected += placements * rings * (2 + 3) * 4      # none, sc++, memo x 3 alphas; ZeRO 0-3
+            # none, sc++, memo x 3 alphas; ZeRO 0-3 and ZeRO-3 with the states on the host
+            expected += placements * rings * (2 + 3) * 5
     assert len(seen) == expected and grids == {(1, 1, 64)}
 
 
@@ -85,6 +86,47 @@ def test_host_memory_prunes_memo():
     assert all("host memory" in p.reason or p.reason.startswith(("memory", "heads")) for p in result.pruned)
 
 
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_host_memory_of_a_node_limits_the_states_on_host(gpus):
+    """Issue 52 item 5: ZeRO-3 with the states on the host keeps 18 bytes per parameter on the
+    host over the GPUs of a node, whatever their number: within 0.8 x the node's host memory it
+    fits, and its launch line is the example's; below, it is pruned for host memory.  On one
+    H100 nothing else fits (ZeRO-3 over one rank shards nothing); on eight, ZeRO-3 on the
+    device fits too and ranks first (it copies nothing over PCIe)."""
+    states_gib = 18 * LLAMA31_8B.parameters / GIB
+
+    def planned(host_memory_gib):
+        hardware = dataclasses.replace(H100, host_memory_gib=host_memory_gib)
+        return plan(LLAMA31_8B, 32768, gpus, hardware, policies=("sc++",), zero_stages=(3,))
+
+    roomy, tight = planned(states_gib / 0.8 + 1), planned(states_gib / 0.8 - 1)
+    on_host = [c for c in roomy.ranked if c.states_on_host]
+    assert on_host and all(gpus * c.memory.host_gib == pytest.approx(states_gib) for c in on_host)
+    assert all(" --fsdp --offload-states  # ZeRO-3 + host: " in c.launch() for c in on_host)
+    assert roomy.best.states_on_host == (gpus == 1)
+    assert not any(c.states_on_host for c in tight.ranked)
+    host_pruned = [p for p in tight.pruned if p.config.get("states_on_host")]
+    assert host_pruned and all(p.reason.startswith(f"host memory: {states_gib:.2f} GiB per node ({gpus} GPUs x")
+                               for p in host_pruned)
+
+
+def test_states_on_host_in_the_cli(capsys):
+    """``loong estimate --states-on-host`` (ZeRO-3 only) and ``loong plan`` naming it."""
+    from loong_compile.cli import main
+
+    estimate = ["estimate", "--model", "llama3.1-8b", "--seq", "32K", "--gpus", "8", "--gpu", "h100",
+                "--states-on-host", "--json"]
+    assert main(estimate + ["--zero", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "parameters (gathered on device)" in out["terms_gib"] and "parameters" not in out["terms_gib"]
+    assert "host: optimizer states" in out["host_gib"]
+    assert main(estimate) == 2 and "states_on_host=True with zero=1" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama3.1-8b", "--max-seq", "--gpus", "1", "--gpu", "h100",
+                 "--activations", "sc++", "--zero", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "sc++, ZeRO-3 + host" in out and "--fsdp --offload-states  # ZeRO-3 + host" in out
+
+
 def test_sequence_that_does_not_split_is_pruned():
     result = plan(LLAMA31_8B, 131072 + 8, 64, H100, policies=("sc++",))
     assert result.pruned_reasons()["sequence"] > 0
@@ -109,6 +151,7 @@ def test_longest_sequence_fits_and_nothing_fits_at_1_1x():
     best = longest.plan.best
     assert longest.seq > 0 and best.config.seq == longest.seq and best.config.gpus == 8
     options = MemoryOptions.loongtrain(activations=best.activations, zero=best.zero,
+                                       states_on_host=best.states_on_host,
                                        alpha=1.0 if best.alpha is None else best.alpha)
     assert estimate_memory(LLAMA31_8B, best.config, options, H100.memory_gib).verdict == "fits"
     beyond = -(-int(1.1 * longest.seq) // 16) * 16          # 16 = 2 * gpus: every 2*cp*hp divides it
@@ -137,7 +180,7 @@ def test_longest_sequence_honours_the_multiple_and_reports_none_that_fit():
 def test_one_million_tokens_fit_with_the_lm_head_chunked(model, gpus, capsys):
     """Issue 22: with the LM head and its loss chunked (what the compiler runs when the loss is
     in the graph) both models fit 1M tokens on H100s; counting every token's logits (4D eq. 14,
-    ``--unchunked-lm-head``), nothing does: the head was what did not fit."""
+    ``--unchunked-lm-head``), the best of them does not: the head is what would not fit."""
     from loong_compile.cli import main
 
     assert main(["plan", "--model", model, "--seq", "1M", "--gpus", str(gpus), "--gpu", "h100",
@@ -147,7 +190,10 @@ def test_one_million_tokens_fit_with_the_lm_head_chunked(model, gpus, capsys):
     for c in chunked["ranked"]:
         assert c["memory"]["verdict"] == "fits"
         assert c["memory"]["terms_gib"]["activations: LM head"] < 5
-    # (the MLP untiled, as before issue 52: tiled, the 70B model fits even with every logit)
-    unchunked = plan(load_model(model), 2 ** 20, gpus, H100,
-                     memory_options=MemoryOptions.loongtrain(lm_head_chunk=None, tile_tokens=None))
-    assert not unchunked.ranked
+    # (the MLP untiled too, as before issue 52)
+    best = plan(load_model(model), 2 ** 20, gpus, H100).ranked[0]
+    unchunked = MemoryOptions.loongtrain(lm_head_chunk=None, tile_tokens=None, zero=best.zero,
+                                         states_on_host=best.states_on_host, activations=best.activations,
+                                         alpha=best.alpha or 0.0)
+    every_logit = estimate_memory(load_model(model), best.config, unchunked, H100.memory_gib)
+    assert every_logit.verdict != "fits", every_logit.terms

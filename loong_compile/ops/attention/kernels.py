@@ -58,6 +58,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def token_major(out: Tensor) -> Tensor:
+    """Attention's ``out`` ``(B, H, S, D)`` stored as ``(B, S, H, D)``, the layout its output
+    projection reads (ops/attention/op_pair.py: what every attention op returns)."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 class Kernel(NamedTuple):
     """``forward(q, k, v, causal_or_mask, scale) -> (out, lse)`` and
     ``backward(dout, q, k, v, out, lse, causal_or_mask, scale) -> (dq, dk, dv)``;

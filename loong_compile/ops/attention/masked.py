@@ -35,7 +35,9 @@ from torch import Tensor
 from loong_compile._compat.kernels import cudagraph_unsafe_tags
 from loong_compile.ops.attention.op_pair import register_attention_op_pair
 from loong_compile.ops.comm import DirectExchange
-from loong_compile.ops.attention.kernels import accumulation_dtype, attention_backward, attention_forward
+from loong_compile.ops.attention.kernels import (
+    accumulation_dtype, attention_backward, attention_forward, token_major,
+)
 from loong_compile.ops.masks.blocks import Block, buffer_columns
 from loong_compile.ops.masks.step import StepMask, step_mask_of
 from loong_compile.ops.attention.ring import kv_buffer, kv_gradients, kv_parts, merge_partial
@@ -116,7 +118,7 @@ def masked_forward(q: Tensor, k: Tensor, v: Tensor, masked: StepMask,
                    scale: float) -> tuple[Tensor, Tensor]:
     if masked.whole:
         out, lse = attention_forward(q, k, v, is_causal=masked.is_causal, scale=scale)
-        return out.contiguous(), lse.contiguous()
+        return token_major(out), lse.contiguous()
     acc = accumulation_dtype(q.dtype)
     kv = kv_buffer(k, v)
     out = torch.zeros((*q.shape[:3], v.size(-1)), dtype=acc, device=q.device)
@@ -127,7 +129,7 @@ def masked_forward(q: Tensor, k: Tensor, v: Tensor, masked: StepMask,
         source = steps.source(step)
         for block in steps.blocks.get(steps.owner(step), []):
             _forward_block(q, k.size(-1), source, block, masked, scale, out, lse)
-    return out.to(q.dtype).contiguous(), lse.contiguous()
+    return token_major(out.to(q.dtype)), lse.contiguous()
 
 
 def _forward_block(q: Tensor, head_dim: int, source: Tensor, block: Block, masked: StepMask,

@@ -4,9 +4,11 @@ An attention op pair is a forward ``fwd(q, k, v, *tensors, *config, sinks=None) 
 and a backward ``bwd(dout, q, k, v, out, lse, *tensors, *config) -> (dq, dk, dv)``: ``tensors``
 are the forward's other tensor inputs (document ids, the step's mask handle), which the
 backward needs but which get no gradient; ``config`` are constants; ``sinks`` (last, optional)
-the rows' sink logits, whose gradient comes from the forward's outputs (ops/attention/sinks.py).  Outputs are contiguous
-whatever the inputs' strides: fake and real must agree, or a view that AOTAutograd planned
-on the fake strides fails at run time.
+the rows' sink logits, whose gradient comes from the forward's outputs (ops/attention/sinks.py).  Outputs have one
+layout whatever the inputs' strides: fake and real must agree, or a view that AOTAutograd planned
+on the fake strides fails at run time.  ``out`` is ``(B, H, S, D_v)`` stored token-major (as
+``(B, S, H, D_v)``): a model's ``out.transpose(1, 2).contiguous()`` before its output projection
+is then a view, not a copy that the projection saves beside ``out`` for the backward.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from loong_compile.ops.attention.sinks import sinks_gradient
 
 def attention_outputs_like(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Empty ``(out, lse)`` for queries ``q`` and values ``v`` (the fake kernels' outputs): out
-    has V's head dim, both are contiguous."""
-    return (q.new_empty((*q.shape[:3], v.size(-1))),
+    has V's head dim and is token-major, lse is contiguous."""
+    batch, heads, tokens, _ = q.shape
+    return (q.new_empty((batch, tokens, heads, v.size(-1))).transpose(1, 2),
             q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype)))
 
 

@@ -38,7 +38,9 @@ from loong_compile._compat.kernels import cudagraph_unsafe_tags
 from loong_compile.ops.attention.op_pair import register_attention_op_pair
 from loong_compile.parallel.rules import ring_position
 from loong_compile.ops.comm import Exchange, group
-from loong_compile.ops.attention.kernels import accumulation_dtype, attention_backward, attention_forward
+from loong_compile.ops.attention.kernels import (
+    accumulation_dtype, attention_backward, attention_forward, token_major,
+)
 from loong_compile.ops.attention.sinks import with_sinks
 
 ALL = slice(None)
@@ -153,7 +155,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
         else:
             out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows],
                                                              block_out, block_lse)
-    return out.to(q.dtype).contiguous(), lse.contiguous()
+    return token_major(out.to(q.dtype)), lse.contiguous()
 
 
 def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

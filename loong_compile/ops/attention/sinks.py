@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from loong_compile.ops.attention.kernels import accumulation_dtype
+from loong_compile.ops.attention.kernels import accumulation_dtype, token_major
 
 
 def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -33,7 +33,7 @@ def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, 
         return out, lse
     total = torch.logaddexp(lse, sinks.to(lse.dtype))
     kept = torch.exp(lse - total).unsqueeze(-1)
-    return (out.to(lse.dtype) * kept).to(out.dtype).contiguous(), total.contiguous()
+    return token_major((out.to(lse.dtype) * kept).to(out.dtype)), total.contiguous()
 
 
 def sinks_gradient(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
