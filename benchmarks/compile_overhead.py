@@ -22,8 +22,18 @@ runs N variants at once (for a machine with a core for each of their processes).
 process) ``inductor`` (plain ``backend="inductor"``, the baseline) and
 ``backend="loong"`` per policy; at ``--hp 2`` (2 gloo ranks, one thread each,
 ``options={"hp": 2, "cp": 1, ...}``; times are the slower rank's) ``loong`` per
-policy.  Policies: ``none`` (``activations="none"``, the default), ``memo``
-(``activations="memo"``), ``memo+plan`` (``memo`` and ``memory_plan=True``).
+policy.  Policies: ``none`` (``activations="none"``, the default), ``sc++``
+(``activations="sc++"``), ``memo`` (``activations="memo"``), ``memo+plan`` (``memo`` and
+``memory_plan=True``), and token tiling (issue 52): ``none+tiles`` and ``sc++ +tiles`` (the
+policy with ``tile_tokens=--tile-tokens``, default 512 tokens; the batch's rows together, so at
+8 x 256 tokens each MLP runs 4 tiles of 64 tokens a row).  The other policies keep
+``tile_tokens="auto"``, which tiles nothing at these sizes (a region's intermediates fit its
+1 GiB); the ``tiled`` column shows what each variant's report tiled.  ``--reps N`` runs N
+rounds of every variant, variants alternating, and prints each variant's min / median / max;
+the ratios are of medians.
+
+    python benchmarks/compile_overhead.py --depths 32 --hp 1 --no-inductor --reps 3 \
+        --policies none none+tiles sc++ "sc++ +tiles"      # tiling's compile time
 """
 
 from __future__ import annotations
@@ -102,7 +112,19 @@ def run_child(template: str, chosen: list[tuple[str, dict]], args: argparse.Name
 
 
 POLICIES = {"none": {}, "memo": {"activations": "memo"},
-            "memo+plan": {"activations": "memo", "memory_plan": True}}
+            "memo+plan": {"activations": "memo", "memory_plan": True},
+            "sc++": {"activations": "sc++"},
+            # token tiling forced (issue 52): tile_tokens from --tile-tokens
+            "none+tiles": {"tile_tokens": None}, "sc++ +tiles": {"activations": "sc++", "tile_tokens": None}}
+
+
+def policy_options(policy: str, tile_tokens: int) -> dict:
+    """The backend options of ``policy``, a "+tiles" policy's ``tile_tokens`` filled in."""
+    return {k: tile_tokens if k == "tile_tokens" else v for k, v in POLICIES[policy].items()}
+
+
+def untiled(name: str) -> str:
+    return name.removesuffix("+tiles").rstrip()
 
 
 def hf_llama(dim: int, layers: int, seq: int) -> "torch.nn.Module":
@@ -134,8 +156,10 @@ def depth_run(rank: int, world: int, spec: dict) -> dict:
         inputs, pos, labels = shard.input_ids, shard.position_ids, shard.labels
     else:
         inputs, pos, labels = ids, None, ids
-    compiled = torch.compile(model, backend=spec["backend"], fullgraph=True,
-                             options=spec["options"] or None)
+    reports: list = []
+    backend = (lc.LoongBackend(spec["options"], on_report=reports.append)
+               if spec["backend"] == "loong" else spec["backend"])
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step() -> float:
@@ -153,7 +177,18 @@ def depth_run(rank: int, world: int, spec: dict) -> dict:
 
     first = step()
     step()
-    return {"first": first, "later": statistics.median(step() for _ in range(spec["later"]))}
+    later = statistics.median(step() for _ in range(spec["later"]))
+    graphs = list({id(r): r for r in reports}.values())
+    # the regions token tiling cut (tokens, tile, tiles): none for an untiled variant
+    tiled = [(c["tokens"], c["tile"], c["tiles"]) for report in graphs
+             for record in report.passes if record.name == "token_tiling"
+             for c in record.summary["changed"]]
+    # of the first step: the backend's stages (its passes, Inductor's lowering within them
+    # excluded where it is a stage of its own) and the tiling pass alone, seconds
+    stages = sum(sum(report.stage_seconds.values()) for report in graphs)
+    tiling = sum(record.seconds for report in graphs for record in report.passes
+                 if record.name == "token_tiling")
+    return {"first": first, "later": later, "tiled": tiled, "stages_s": stages, "tiling_pass_s": tiling}
 
 
 DEPTH_CHILD = r"""
@@ -168,7 +203,8 @@ if spec["hp"] == 1:
     results = [depth_run(0, 1, spec)]
 else:
     results = run_distributed(depth_run, spec["hp"], spec, timeout=3600)
-print(json.dumps({{"first": max(r["first"] for r in results), "later": max(r["later"] for r in results)}}))
+print(json.dumps({{"first": max(r["first"] for r in results), "later": max(r["later"] for r in results),
+                  **{{k: results[0][k] for k in ("tiled", "stages_s", "tiling_pass_s")}}}}))
 """
 
 
@@ -194,39 +230,58 @@ def depth_mode(args: argparse.Namespace) -> None:
         for hp in args.hp:
             chosen = ([("inductor", "inductor", {})] if hp == 1 and not args.no_inductor else [])
             for policy in args.policies:
-                chosen.append((policy, "loong", dict(POLICIES[policy],
+                chosen.append((policy, "loong", dict(policy_options(policy, args.tile_tokens),
                                                      **({"hp": hp, "cp": 1} if hp > 1 else {}))))
             runs += [(layers, hp, name, {"dim": args.dim, "layers": layers, "seq": args.seq,
                                          "batch": args.batch, "hp": hp, "backend": backend,
                                          "options": options, "later": args.later})
                      for name, backend, options in chosen]
+    reps = args.reps or 1
     print(f"transformers LlamaForCausalLM: dim {args.dim}, 4 heads / 2 KV heads, batch {args.batch} x "
           f"seq {args.seq}; first step incl. compile (fresh process, empty Inductor cache); "
-          f"later step: median of {args.later}; {args.jobs} variant(s) at a time")
-    print(f"{'layers':>6} {'hp':>3} {'variant':>10} {'first s':>9} {'later s':>8} "
-          f"{'first / inductor':>17} {'later / no plan':>16}", flush=True)
-    # variants in parallel only on a machine with a core for each of their processes
+          f"later step: median of {args.later}; {args.jobs} variant(s) at a time; "
+          f"{reps} round(s), variants alternating")
+    # variants in parallel only on a machine with a core for each of their processes; rounds
+    # of every variant one after the other, so that a shared machine's load hits all alike
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        results = list(pool.map(depth_variant, [spec for *_, spec in runs]))
-    times, rows = {}, []
-    for (layers, hp, name, _), t in zip(runs, results):
-        if "error" in t:
-            print(f"{layers:6d} {hp:3d} {name:>10} failed: {t['error']}", flush=True)
+        results = list(pool.map(depth_variant, [spec for _ in range(reps) for *_, spec in runs]))
+    times: dict[tuple, list[dict]] = {}
+    for i, t in enumerate(results):
+        layers, hp, name, _ = runs[i % len(runs)]
+        times.setdefault((layers, hp, name), []).append(t)
+    print(f"{'layers':>6} {'hp':>3} {'variant':>11} {'first s (min/median/max)':>26} {'later s':>8} "
+          f"{'first / inductor':>17} {'later / no plan':>16} {'first / untiled':>16}  tiled", flush=True)
+    medians, rows = {}, []
+    for layers, hp, name, _ in runs:
+        done = [t for t in times[layers, hp, name] if "error" not in t]
+        if not done:
+            print(f"{layers:6d} {hp:3d} {name:>11} failed: {times[layers, hp, name][0]['error']}",
+                  flush=True)
             continue
-        times[layers, hp, name] = t
-        base = times.get((layers, hp, "inductor"))
+        first = [t["first"] for t in done]
+        medians[layers, hp, name] = t = {"first": statistics.median(first),
+                                        "later": statistics.median(x["later"] for x in done)}
+        base = medians.get((layers, hp, "inductor"))
         ratio = f"{t['first'] / base['first']:16.2f}x" if base and name != "inductor" else f"{'':>17}"
-        no_plan = times.get((layers, hp, name.replace("+plan", ""))) if name.endswith("+plan") else None
-        later = f"{t['later'] / no_plan['later']:15.2f}x" if no_plan else ""
-        print(f"{layers:6d} {hp:3d} {name:>10} {t['first']:9.2f} {t['later']:8.3f} {ratio} {later}",
-              flush=True)
-        rows.append({"layers": layers, "hp": hp, "variant": name, **t})
+        no_plan = medians.get((layers, hp, name.replace("+plan", ""))) if name.endswith("+plan") else None
+        later = f"{t['later'] / no_plan['later']:15.2f}x" if no_plan else f"{'':>16}"
+        plain = medians.get((layers, hp, untiled(name))) if name.endswith("+tiles") else None
+        tiles = f"{t['first'] / plain['first']:15.3f}x" if plain else f"{'':>16}"
+        spread = f"{min(first):.1f} / {t['first']:.1f} / {max(first):.1f}"
+        tiled = done[0].get("tiled") or []
+        regions = f"{len(tiled)} regions x {tiled[0][2]} tiles of {tiled[0][1]}" if tiled else "nothing"
+        print(f"{layers:6d} {hp:3d} {name:>11} {spread:>26} {t['later']:8.3f} {ratio} {later} {tiles}"
+              f"  {regions}", flush=True)
+        rows.append({"layers": layers, "hp": hp, "variant": name, **t, "firsts": first,
+                     "laters": [x["later"] for x in done], "tiled": tiled,
+                     **{k: [x.get(k) for x in done] for k in ("stages_s", "tiling_pass_s")}})
     print(json.dumps(rows))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="fresh processes per variant (compile time)")
+    parser.add_argument("--reps", type=int,
+                        help="fresh processes per variant (compile time; default 3, depth mode 1)")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds (step time)")
     parser.add_argument("--steps", type=int, default=10, help="steps per round")
     parser.add_argument("--dim", type=int, default=128)
@@ -239,11 +294,14 @@ def main() -> None:
                         help="depth mode: loong variants")
     parser.add_argument("--no-inductor", action="store_true", help="depth mode: skip the baseline")
     parser.add_argument("--later", type=int, default=3, help="depth mode: later steps timed")
+    parser.add_argument("--tile-tokens", type=int, default=512,
+                        help='depth mode: the "+tiles" policies\' tile_tokens')
     parser.add_argument("--jobs", type=int, default=1,
                         help="depth mode: variants run at once (each takes a core per process)")
     args = parser.parse_args()
     if args.depths:
         return depth_mode(args)
+    args.reps = args.reps or 3
     chosen = variants()
     compile_s: dict[str, list[float]] = {name: [] for name in chosen}
     for rep in range(args.reps):

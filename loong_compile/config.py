@@ -35,16 +35,18 @@ class LoongConfig:
         (``parallel/rules.py::PLACEMENT_DOCS``).
     inner_ring: ranks per inner ring of the Double-Ring (must divide cp).
     activations: ``none`` (Inductor's partition), ``sc++`` (save layer inputs and attention
-        outputs, recompute the rest), ``memo`` (offload + token-slice recompute)
-        (``parallel/rules.py::ACTIVATION_POLICY_DOCS``).
+        outputs, recompute the rest), ``memo`` (offload + token-slice recompute), ``full`` (save
+        layer inputs, recompute the rest, attention too), ``full_offload`` (``full`` with the
+        inputs on the host) (``parallel/rules.py::ACTIVATION_POLICY_DOCS``).
     alpha: fraction of "other" activations' tokens offloaded under ``memo``; ``"auto"`` solves MEMO's LP.
     host_bandwidth: host<->device copy bandwidth in bytes/s (MEMO's B); ``"auto"`` measures it.
     host_memory: host bytes this rank may fill with offloaded activations (MEMO's M_CPU);
         ``"auto"``: available host memory x 0.8, divided among the node's local ranks.
     layer_time: forward seconds of one transformer layer (MEMO's T_layer); ``"auto"``: the
         layer's FLOPs from the graph over a measured matmul rate.
-    resident_layers: under ``memo``, the last this-many transformer layers keep their saved
-        values on device, neither offloaded nor recomputed (MEMO's eq. 3 counts n - 2).
+    resident_layers: under ``memo`` and ``full_offload``, the last this-many transformer layers
+        keep their saved values on device, neither offloaded nor recomputed (MEMO's eq. 3 counts
+        n - 2).
     memory_plan: give Inductor's buffers static offsets from the bi-level MIP.
     solver_time_limit: seconds the memory planner may spend on one compiled graph (greedy,
         search and MIP solves of all its pools together; the best plan found by then is used).

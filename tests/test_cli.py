@@ -124,7 +124,7 @@ BAD_INPUTS = [
     (("plan", "--model", "llama3.1-8b", "--seq", "128K", "--gpus", "64", "--gpu", "h100",
       "--gpu-opt", "nics=4"), "unknown hardware field(s) nics"),
     (("plan", "--model", "llama3.1-8b", "--seq", "128K", "--gpus", "64", "--gpu", "h100",
-      "--activations", "full"), "'full': choose from none, sc++, memo"),
+      "--activations", "selective"), "'selective': choose from none, sc++, memo, full, full_offload"),
     (("plan", "--model", "llama3.1-8b", "--seq", "128K", "--gpus", "8", "--gpu", "h100", "--seq-multiple", "1K"),
      "--seq-multiple 1024 with --seq 131072"),
 ]

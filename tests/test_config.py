@@ -18,7 +18,7 @@ BAD = {
     "cp": [0, 2.0, None],
     "placement": ["heads_first", 1],
     "inner_ring": [0, "x"],
-    "activations": ["full", None],
+    "activations": ["selective", None],
     "alpha": [-0.1, 1.5, "half", True],
     "host_bandwidth": [0, -1e9, "fast", True, float("nan"), float("inf")],
     "host_memory": [-1, "lots", None, float("inf")],

@@ -56,8 +56,12 @@ graph most:
   ``lc.hf.compile_blocks`` each exact, by hand each exact or refused on every rank
   (``labels=``: transformers' loss, computed outside every graph on a rank's own tokens).
 
-- token tiling forced (issue 52) in six of these cells, a family's MLP under each policy (``TILED``:
-  Qwen3-MoE's experts, GPT-2, Qwen2, Gemma 3, DeepSeek-V3's MLA, Llama), the regions counted.
+- token tiling forced (issue 52) in eight of these cells, a family's MLP under each policy
+  (``TILED``: Qwen3-MoE's experts, GPT-2, Qwen2, Gemma 3, DeepSeek-V3's MLA, Llama), the regions
+  counted;
+- ``full`` and ``full_offload`` (issue 52): each layer's input alone saved, the attention
+  recomputed with its collectives (Qwen3-MoE, Gemma 3 with a window and packed documents,
+  DeepSeek-V3 with its inputs on the host).
 
 A window, padding or packed documents make 2D-Attention's masked op, which the activation
 passes did not take for attention: sc++ and memo found no layer there and did nothing, with
@@ -90,6 +94,8 @@ POLICIES = {
     "memo-alpha0": {**MEMO, "alpha": 0.0},
     "memo-alpha1": {**MEMO, "alpha": 1.0},
     "memory_plan": {"memory_plan": True},
+    "full": {"activations": "full"},
+    "full_offload": {**MEMO, "activations": "full_offload"},
 }
 POLICY_CASES = {
     "none": [Case("gemma3", habit="grad_ckpt"), Case("llama", habit="grad_ckpt_reentrant"),
@@ -101,6 +107,10 @@ POLICY_CASES = {
                     Case("gemma3", window=WINDOW_SHARD, habit="packed_use_cache_false")],
     "memo-alpha1": [Case("granite"), Case("qwen2", habit="padding"), Case("gemma3", attn="eager")],
     "memory_plan": [Case("falcon"), Case("llama", habit="eval_no_grad"), Case("llama", attn="eager")],
+    # issue 52: only the layers' inputs saved, attention recomputed too (its collectives run again
+    # in the backward); under full_offload those inputs on the host
+    "full": [Case("qwen3moe"), Case("gemma3", window=WINDOW_SHARD, habit="packed_use_cache_false")],
+    "full_offload": [Case("deepseek_v3")],
 }
 # documents in shard_batch's balanced order (issue 24) with a window shorter than a rank's share:
 # the mask compares positions in the document, under every activation policy
@@ -145,12 +155,15 @@ POLICY_CASES["memo-alpha1"].append(Case("deepseek_v3"))
 TILED = {("none", Case("qwen3moe")): 1, ("none", Case("gpt2", attn="eager")): 1,
          ("sc++", Case("qwen2", habit="labels")): 1,
          ("memo-alpha0", Case("gemma3", window=WINDOW_SHARD, habit="packed_use_cache_false")): 4,
-         ("memo-alpha1", Case("deepseek_v3")): 3, ("memory_plan", Case("llama", attn="eager")): 1}
+         ("memo-alpha1", Case("deepseek_v3")): 3, ("memory_plan", Case("llama", attn="eager")): 1,
+         ("full", Case("qwen3moe")): 1, ("full_offload", Case("deepseek_v3")): 3}
 # what the policy must have done in each case's graphs (run_case's work_done)
 WORK = {
     "sc++": lambda done: done["recompute_tags"] > 0,
     "memo-alpha0": lambda done: done["recomputed_bytes"] > 0,
     "memo-alpha1": lambda done: done["host_bytes"] > 0,
+    "full": lambda done: done["recompute_tags"] > 0,
+    "full_offload": lambda done: done["recompute_tags"] > 0 and done["host_bytes"] > 0,
     "memory_plan": lambda done: done["memory_plan"] and all(
         s in ("optimal", "level_optimal", "time_limit") for s in done["memory_plan"]),
 }

@@ -226,14 +226,16 @@ def layer_cost(model: ModelSpec, config: ParallelConfig, placement: str, hw: Har
                policy: str, alpha: float = 0.0, offload_bytes: float = 0.0,
                dtype_bytes: int = 2) -> LayerCost:
     """``attention_cost`` plus projections, recompute under ``policy`` (``full`` recomputes the
-    whole forward, ``sc++`` all but attention, ``memo`` the ``1 - alpha`` token share of the
-    non-attention forward), and ``offload_bytes`` per layer moved to host and back (memo)."""
+    whole forward, as ``full_offload`` does, ``sc++`` all but attention, ``memo`` the ``1 - alpha``
+    token share of the non-attention forward), and ``offload_bytes`` per layer moved to host and
+    back (memo, full_offload)."""
     attention = attention_cost(model, config, placement, hw, dtype_bytes)
     tokens = config.micro_batch * config.seq / config.sp
     dense_fwd = 2 * tokens * model.activated_layer_params / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
     elementwise = dtype_bytes * tokens * elementwise_elements(model) / (hw.hbm_gbps * 1e9)
     local_fwd = dense_fwd + elementwise
-    recompute = {"none": 0.0, "full": local_fwd + attention.forward_s, "sc++": local_fwd,
+    recompute = {"none": 0.0, "full": local_fwd + attention.forward_s,
+                 "full_offload": local_fwd + attention.forward_s, "sc++": local_fwd,
                  "memo": (1 - alpha) * local_fwd}[policy]
     transfer = offload_bytes / (hw.pcie_gbps * 1e9)
     forward = attention.forward_s + local_fwd

@@ -156,6 +156,10 @@ LAYER_TENSORS = (
                 "SDPA output = o_proj input [b, s, a*d_head] (one storage)"),
     LayerTensor("softmax_lse", "attention", 4 * a / t, False,
                 "SDPA log-sum-exp, fp32 [b, a, s]"),
+    # with d_hp > 1 the output comes back from the SeqAlltoAll into a second storage, which the
+    # o_proj reads (with d_hp = 1 it is the attention op's own output, token-major: one storage)
+    LayerTensor("attention_output_gathered", "other", (1 - sp.KroneckerDelta(hp, 1)) * beta * a * hd / t,
+                False, "SeqAlltoAll output = o_proj input when d_hp > 1 [b, s, a*d_head]"),
     LayerTensor("attention_norm_output", "other", beta * h / t, True,
                 "RMSNorm output = q/k/v projection input [b, s, h]"),
     LayerTensor("query", "other", beta * a * hd / t, True, "q after RoPE [b, a, s, d_head]"),
@@ -212,7 +216,7 @@ def stored_tensors(policy: str, exact: bool, tiled: bool = False) -> tuple[Layer
     counted = counted_tensors(policy, exact, tiled)
     if policy == "none":
         return counted
-    if policy == "full":
+    if policy in ("full", "full_offload"):
         return tuple(x for x in counted if x.name == "layer_input")
     if policy == "sc++":
         return tuple(x for x in counted if x.name in SC_PP_SAVED)
@@ -245,6 +249,13 @@ def activation_terms(policy: str, exact: bool, working_set: bool, memo_alpha_zer
         name = "layer inputs" if policy == "full" else "layer inputs + attention outputs + lse"
         terms.append(Term(f"activations: {name}", "activations", HELD_LAYERS * _bytes(stored),
                           "LoongTrain 5.2: 2SD/d_sp" + (" + (2SD + 4SH)/d_sp" if policy == "sc++" else "")))
+    elif policy == "full_offload":
+        # MEMO's offload and prefetch of the layer inputs alone: two rounding buffers (the layer
+        # in use, the one arriving); the layer itself is recomputed whole (the working set below)
+        terms.append(Term("activations: MEMO rounding buffers", "activations", 2 * _bytes(stored),
+                          "MEMO 4.1 (two rounding buffers), layer inputs only"))
+        terms.append(Term("host: offloaded activations", "host",
+                          sp.Max(HELD_LAYERS - 2, 0) * _bytes(stored), "MEMO 4.1 eq. 3, alpha = 0"))
     else:
         # MEMO 4.1: every layer's skeletal tensors pass through two rounding buffers (even / odd
         # layers); with alpha = 0 the "other" tensors need no double buffering and share one buffer.

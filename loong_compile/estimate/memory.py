@@ -96,8 +96,9 @@ class ParallelConfig:
 class MemoryOptions:
     """Switches for the extension terms.  The defaults are the 4D paper (eq. 18) exactly.
 
-    activations: ``none`` (everything saved, eq. 12), ``full`` (layer inputs only), ``sc++``
-        (LoongTrain's Selective Checkpoint++), ``memo`` (MEMO's swapping with ``alpha``).
+    activations: ``none`` (everything saved, eq. 12), ``full`` (layer inputs only),
+        ``full_offload`` (layer inputs only, on the host), ``sc++`` (LoongTrain's Selective
+        Checkpoint++), ``memo`` (MEMO's swapping with ``alpha``).
     zero: ZeRO stage 0-3 over d*cp*hp (the paper: 1).
     states_on_host: with ``zero=3``, the shards in host memory and on the device only what
         FSDP2 gathers (``equations.GATHERED_ON_DEVICE``; examples/training.py --fsdp --offload-states).
@@ -402,6 +403,6 @@ def layer_activations(model: ModelSpec, seq: int, batch: int, dtype_bytes: int, 
             recomputed = size - saved
         else:
             saved, recomputed = 0, size
-        offloaded = saved if policy == "memo" else 0
+        offloaded = saved if policy in ("memo", "full_offload") else 0
         tensors.append(SavedTensor(x.name, x.category, size, saved, offloaded, recomputed, x.what))
     return LayerActivations(policy, alpha, tuple(tensors))

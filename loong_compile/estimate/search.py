@@ -256,6 +256,8 @@ def plan(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, *,
         if policy == "memo":
             sizes = category_bytes(model, config, options)
             offload = sizes["input"] + sizes["attention"] + alpha * sizes["other"]
+        elif policy == "full_offload":
+            offload = category_bytes(model, config, options)["input"]
         cost = layer_cost(model, config, placement, hardware, policy, alpha or 0.0,
                           offload, options.dtype_bytes)
         step = step_cost(model, config, cost, zero, hardware, options.states_on_host)

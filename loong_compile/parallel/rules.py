@@ -21,16 +21,19 @@ PLACEMENT_DOCS = {
     "context_first": "the ranks of one CP group are consecutive: the rings stay inside a node",
 }
 
-ActivationPolicy = Literal["none", "sc++", "memo"]
+ActivationPolicy = Literal["none", "sc++", "memo", "full", "full_offload"]
 ACTIVATION_POLICIES: tuple[str, ...] = get_args(ActivationPolicy)
 ACTIVATION_POLICY_DOCS = {
     "none": "Inductor's partition decides what is saved",
     "sc++": "save layer inputs and attention outputs, recompute the rest (LoongTrain's SC++)",
     "memo": "offload saved values to the host, recompute token slices (MEMO)",
+    "full": "save layer inputs only, recompute the rest, attention too",
+    "full_offload": "save layer inputs only, on the host (MEMO's offload and prefetch); recompute "
+                    "the rest, attention too",
 }
-# The estimator also models ``full`` (only layer inputs saved, every layer recomputed), which
-# the backend does not run.
-ESTIMATED_POLICIES = (*ACTIVATION_POLICIES, "full")
+ESTIMATED_POLICIES = ACTIVATION_POLICIES
+# The policies whose saved layer values MEMO's passes offload to the host and prefetch
+OFFLOADING_POLICIES = ("memo", "full_offload")
 # MEMO's classes of a layer's saved values, as the activation passes report them and the
 # estimator counts them: the layer's input, the attention's outputs (out, lse), the rest
 CATEGORIES = ("input", "attention", "other")

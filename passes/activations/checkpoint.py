@@ -5,8 +5,9 @@ Stage ``joint`` (AOTAutograd's joint graph, right before the min-cut partition),
 Tags forward nodes with PyTorch's standard ``node.meta["recompute"] = CheckpointPolicy``,
 which the min-cut partitioner honours:
 
-- every policy: the attention op and its outputs (out, lse) are MUST_SAVE, so the attention
-  (the distributed ring, once rewritten) is never recomputed in the backward;
+- every policy but ``full`` / ``full_offload``: the attention op and its outputs (out, lse) are
+  MUST_SAVE, so the attention (the distributed ring, once rewritten) is never recomputed in the
+  backward;
 - ``sc++``: each transformer layer's input, and each layer value that code outside every
   layer reads (the last layer's output, read by the final norm), are MUST_SAVE; every other
   node inside a layer is PREFER_RECOMPUTE: the backward recomputes the layer from its input
@@ -14,6 +15,9 @@ which the min-cut partitioner honours:
   new numbers);
 - ``memo``: layer inputs MUST_SAVE too (the offload and token-slice recompute start from
   them); the rest is left to the partition and rewritten by ``recompute`` / ``offload``;
+- ``full`` / ``full_offload``: as ``sc++``, but the attention is recomputed too: a layer keeps
+  its input alone (``full_offload``: on the host, by ``offload``).  The recomputed attention
+  runs its collectives again in the backward, in the same order on every rank (one graph);
 - ``none``: nothing else.
 
 Emits: only tags.  Summary: the attention nodes found, how many nodes got each tag.
@@ -33,6 +37,12 @@ from loong_compile.passes.activations.layers import find_layers
 from loong_compile.passes.base import Pass
 
 
+# The policies that recompute each layer from what they save (the others leave it to the
+# partition), and of them those that recompute its attention too
+CHECKPOINTED = ("sc++", "full", "full_offload")
+ATTENTION_RECOMPUTED = ("full", "full_offload")
+
+
 class SelectiveCheckpointPass(Pass):
     name, stage = "selective_checkpoint", "joint"
 
@@ -43,17 +53,22 @@ class SelectiveCheckpointPass(Pass):
         policy = ctx.config.activations
         must_save: list[torch.fx.Node] = []
         attention = [n for n in graph.nodes if n not in backward and is_attention(n)]
-        for node in attention:
-            must_save += [node, *getitem_users(node)]
-        if policy in ("sc++", "memo"):
+        checkpointed = policy in CHECKPOINTED
+        if policy not in ATTENTION_RECOMPUTED:
+            for node in attention:
+                must_save += [node, *getitem_users(node)]
+        if policy != "none":
             must_save += [n for ns in layers.inputs.values() for n in ns]
-        if policy == "sc++":
+        if checkpointed:
             must_save += sorted(layers.leaving, key=lambda n: n.name)
             must_save += [m for n in layers.node_layer if is_random(n) for m in (n, *getitem_users(n))]
         saved = set(must_save)
-        recompute = [n for n in layers.node_layer if n not in saved] if policy == "sc++" else []
+        recompute = [n for n in layers.node_layer if n not in saved] if checkpointed else []
         for node in recompute:
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+        if policy in ATTENTION_RECOMPUTED:   # not a preference: their outputs are not saved
+            for node in attention:
+                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         for node in saved:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         return {

@@ -32,7 +32,7 @@ import torch.fx
 
 from loong_compile._compat.aot import real_tensors
 from loong_compile.estimate import alpha as alpha_lp
-from loong_compile.parallel.rules import CATEGORIES
+from loong_compile.parallel.rules import CATEGORIES, OFFLOADING_POLICIES
 from loong_compile.passes.activations.measure import (
     agree_min, available_host_memory, measure_host_bandwidth, measure_matmul_rate,
 )
@@ -142,8 +142,9 @@ def layer_flops(plan: ActivationPlan) -> dict[int, int]:
     return flops
 
 
-def decide_alpha(plan: ActivationPlan, config: Any) -> None:
-    """MEMO's alpha for the swapped layers (all but the last ``resident_layers``)."""
+def decide_alpha(plan: ActivationPlan, config: Any, alpha: float | str) -> None:
+    """MEMO's alpha for the swapped layers (all but the last ``resident_layers``); ``alpha``:
+    a fraction, or ``"auto"`` for MEMO's LP."""
     n = len(plan.layers.names)
     plan.swapped = list(range(max(n - config.resident_layers, 0)))
     sizes = {cat: 0 for cat in CATEGORIES}
@@ -164,15 +165,15 @@ def decide_alpha(plan: ActivationPlan, config: Any) -> None:
         bandwidth, host_memory, layer_time = agree_min([bandwidth, host_memory, layer_time])
     inputs = alpha_lp.AlphaInputs(sizes["input"], sizes["attention"], sizes["other"], n,
                                   config.resident_layers, bandwidth, max(layer_time, 1e-12), host_memory)
-    if config.alpha == "auto":
+    if alpha == "auto":
         decision = alpha_lp.solve_alpha(inputs, config.solver_time_limit)
     else:
-        decision = alpha_lp.evaluate_alpha(inputs, float(config.alpha))
+        decision = alpha_lp.evaluate_alpha(inputs, float(alpha))
     plan.decision = decision
     plan.lp_inputs = dataclasses.asdict(inputs) | {"layer_flops": flops,
                                                    "measured": [k for k in ("host_bandwidth", "host_memory", "layer_time")
                                                                 if getattr(config, k) == "auto"]}
-    plan.offload = decision.feasible or config.alpha != "auto"
+    plan.offload = decision.feasible or alpha != "auto"
     plan.alpha = decision.alpha if plan.offload else 0.0
 
 
@@ -192,7 +193,7 @@ class FollowsActivationPlan(Pass):
     NO_PLAN = {"matched": 0, "skipped": "no activation plan (the activations pass found no layer)"}
 
     def enabled(self, config: Any) -> bool:
-        return config.activations == "memo"
+        return config.activations in OFFLOADING_POLICIES
 
     @staticmethod
     def plan_of(ctx: PassContext) -> ActivationPlan | None:
@@ -222,7 +223,7 @@ class ActivationsPass(Pass):
         missing = [plan.layers.names[i] for i, ns in plan.layers.inputs.items() if len(ns) != 1]
         if missing:
             summary["unclassified"] = f"no single layer input found for {', '.join(missing)}"
-        if ctx.config.activations == "memo":
+        if ctx.config.activations in OFFLOADING_POLICIES:
             if not plan.layers.names:
                 summary["fallback"] = ("no transformer layer (nn_module_stack 'name.N') in the graph: "
                                        "nothing is offloaded or recomputed")
@@ -231,7 +232,8 @@ class ActivationsPass(Pass):
                 summary["fallback"] = ("symbolic shapes (dynamic=True / mark_dynamic): memo needs a static "
                                        "sequence length; nothing is offloaded or recomputed")
                 return summary
-            decide_alpha(plan, ctx.config)
+            # full_offload: a layer saves its input alone, which is offloaded whole
+            decide_alpha(plan, ctx.config, 0.0 if ctx.config.activations == "full_offload" else ctx.config.alpha)
             summary["alpha"] = plan.alpha
             summary["lp"] = {"inputs": plan.lp_inputs, "decision": plan.decision.to_dict()}
             summary["swapped_layers"] = [plan.layers.names[i] for i in plan.swapped]

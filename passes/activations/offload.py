@@ -1,7 +1,7 @@
 """Offload and prefetch (MEMO §4.1): the saved values of every swapped layer go to host memory
 in the forward and come back in the backward.
 
-Stage ``split``, policy ``memo``; runs after ``activations`` and ``recompute``.
+Stage ``split``, policies ``memo`` and ``full_offload``; runs after ``activations`` and ``recompute``.
 
 Matches: the saved values of the swapped layers (all but the last ``resident_layers``): layer
 inputs, attention outputs (out, lse) and what ``recompute`` left of the "other" tensors (their

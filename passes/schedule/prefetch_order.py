@@ -8,7 +8,7 @@ fusion, the reloads of one layer (those sharing one ``after=`` input) are moved 
 first of them, and each of their waits is held after all of them by an ordering-only
 dependency.
 
-Stage ``schedule``, under ``activations="memo"``.  Report: the layers whose prefetches were
+Stage ``schedule``, under ``activations="memo"`` or ``"full_offload"``.  Report: the layers whose prefetches were
 grouped, the reloads moved and the waits held.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from loong_compile.passes.base import Pass, PassContext, ScheduleRequest
+from loong_compile.parallel.rules import OFFLOADING_POLICIES
 
 
 def hold_prefetches(items: list[tuple[str, str, str, tuple[int, ...]]],
@@ -62,7 +63,7 @@ class PrefetchOrderPass(Pass):
     name, stage = "prefetch_order", "schedule"
 
     def enabled(self, config) -> bool:
-        return config.activations == "memo"
+        return config.activations in OFFLOADING_POLICIES
 
     def run(self, request: ScheduleRequest, ctx: PassContext) -> dict[str, Any]:
         order, holds, report = hold_prefetches(request.items, request.order)

@@ -19,11 +19,17 @@ from loong_compile.estimate.memory import layer_activations
 from loong_compile.estimate.models import ModelSpec
 from loong_compile.parallel.rules import CATEGORIES   # the report's category names are the estimator's
 from llama import Llama, LlamaConfig
+from transformers import LlamaConfig as HFLlamaConfig
+from helpers import BUDGET
 
 CFG = LlamaConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128)
 BATCH, SEQ, FP32 = 2, 64, 4
 SPEC = ModelSpec("example", CFG.dim, CFG.n_layers, CFG.n_heads, CFG.n_kv_heads, CFG.ffn_dim,
                  CFG.vocab_size)
+# a transformers Llama of the same sizes (what `loong plan`'s llama presets are)
+HF_CONFIG = HFLlamaConfig(hidden_size=CFG.dim, intermediate_size=CFG.ffn_dim, num_hidden_layers=3,
+                          num_attention_heads=CFG.n_heads, num_key_value_heads=CFG.n_kv_heads,
+                          vocab_size=256)
 
 
 def compiled_report(policy: str, alpha: float, tile_tokens: int = 0):
@@ -116,28 +122,28 @@ def test_estimator_lm_head_term_equals_what_the_compiled_graph_keeps():
     assert working < 0.2 * BATCH * SEQ * CFG.vocab_size * FP32        # one chunk, not the logits
 
 
-@pytest.mark.parametrize("policy", ["none", "sc++"])
+@pytest.mark.parametrize("policy", ["none", "sc++", "full", "full_offload"])
 def test_estimator_counts_what_the_compiled_step_keeps(policy):
     """Issue 52: every byte a transformers Llama's compiled step keeps for its backward (its
     loss in the graph, the head chunked; one process, float32) is in the estimator's
     activation terms: the layers', the LM head's, and what stays outside the layers (token,
     document and label ids, RoPE's angles, the final norm's input and 1/rms, not eq. 13's
-    8sbhp)."""
-    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+    8sbhp).  ``full`` / ``full_offload`` keep each layer's input alone (the attention
+    recomputed too); ``full_offload`` moves all of them to the host."""
+    from transformers import LlamaForCausalLM
 
     from loong_compile.estimate import lm_head
     from loong_compile.estimate.hf_config import spec_from_config
     from loong_compile.estimate.memory import MemoryOptions, ParallelConfig, estimate_memory
 
-    config = HFLlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    config = HF_CONFIG
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).float()
     ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(SEQ).expand(BATCH, SEQ)
     step = lambda i, p, l: model(i, position_ids=p, labels=l, use_cache=False).loss  # noqa: E731
     report = lc.explain(step, ids, positions, ids, lowering="aot_eager", activations=policy,
-                        alpha=0.0, resident_layers=1, lm_head_chunk=16)
+                        alpha=0.0, resident_layers=0, lm_head_chunk=16, **BUDGET)
     assert report.summary("lm_head_loss")["changed"]
     compiled = report.summary("activations")["activation_bytes"] + 2 * ids.numel() * 8  # + ids, labels
 
@@ -149,5 +155,44 @@ def test_estimator_counts_what_the_compiled_step_keeps(policy):
     head_working = lm_head.working_bytes(16, config.vocab_size, FP32)
     estimated = sum(gib for name, gib in terms.items() if name.startswith("activations")) * 2 ** 30
     estimated -= head_working
+    layer = layer_activations(spec, SEQ, BATCH, FP32, policy, 0.0)
+    if policy == "full_offload":   # the layers' inputs all on the host, not two rounding buffers
+        layers = config.num_hidden_layers
+        offloaded = report.summary("offload")["host_bytes"]
+        assert offloaded == layers * sum(layer.by_category("offloaded").values()) > 0
+        estimated += offloaded - terms["activations: MEMO rounding buffers"] * 2 ** 30
+    if policy.startswith("full"):
+        assert all(x.name == "layer_input" for x in layer.tensors if x.saved)
+        assert report.summary("activations")["layers"][0]["attention"]["count"] == 0
     assert abs(compiled - estimated) <= 0.02 * compiled, (compiled, estimated, terms)
     assert terms["activations: outside the layers"] * 2 ** 30 < 8 * tokens * config.hidden_size
+
+
+def _hf_layer_saved_bytes(rank: int, world: int, hp: int, cp: int) -> dict[str, int]:
+    """On every rank: a transformers Llama's first layer's saved bytes per category, under
+    ``none`` at ``hp x cp`` (aot_eager, float32), as the compiled graph's report gives them."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(HF_CONFIG).float()
+    ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    batch = lc.shard_batch(ids, ids, lc.init_mesh(hp=hp, cp=cp))
+    step = lambda i, p, l: model(i, position_ids=p, labels=l, shift_labels=l,  # noqa: E731
+                                 use_cache=False).loss
+    report = lc.explain(step, batch.input_ids, batch.position_ids, batch.labels, hp=hp, cp=cp,
+                        lowering="aot_eager", lm_head_chunk=16)
+    layer = report.summary("activations")["layers"][0]
+    return {c: layer[c]["bytes"] for c in CATEGORIES}
+
+
+def test_estimator_agrees_with_the_compiled_layer_at_hp2_cp2():
+    """With d_hp > 1 the attention's output comes back from the SeqAlltoAll into a storage of its
+    own, which o_proj saves beside the ring's output (``attention_output_gathered``); the
+    estimator's layer equals the compiled one at hp = 2 x cp = 2 (4 ranks), as at one process."""
+    from loong_compile.estimate.hf_config import spec_from_config
+    from loong_compile.testing import run_distributed
+
+    compiled = run_distributed(_hf_layer_saved_bytes, 4, 2, 2, timeout=300)
+    spec = spec_from_config(HF_CONFIG.to_dict(), "tiny-llama")
+    estimated = layer_activations(spec, SEQ, BATCH, FP32, "none", 0.0, hp=2, cp=2).by_category("saved")
+    assert all(c == compiled[0] for c in compiled) and compiled[0] == estimated, (compiled, estimated)

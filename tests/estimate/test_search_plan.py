@@ -6,6 +6,7 @@ import json
 import pytest
 
 from loong_compile.config import LoongConfig
+from loong_compile.parallel.rules import ACTIVATION_POLICIES
 from loong_compile.errors import LoongConfigError
 from loong_compile.estimate.hardware import load_hardware
 from loong_compile.estimate.memory import GIB, MemoryOptions, ParallelConfig, estimate_memory
@@ -58,8 +59,9 @@ def test_search_space_is_complete(result):
         for cp in (x for x in (1, 2, 4, 8, 16, 32, 64) if 64 % (x * hp) == 0):
             placements = 2 if hp > 1 and cp > 1 else 1
             rings = max(1, len([w for w in (1, 2, 4, 8, 16, 32) if cp % w == 0 and w < cp]))
-            # none, sc++, memo x 3 alphas; ZeRO 0-3 and ZeRO-3 with the states on the host
-            expected += placements * rings * (2 + 3) * 5
+            # none, sc++, full, full_offload, memo x 3 alphas; ZeRO 0-3 and ZeRO-3 with the
+            # states on the host
+            expected += placements * rings * (4 + 3) * 5
     assert len(seen) == expected and grids == {(1, 1, 64)}
 
 
@@ -67,14 +69,14 @@ def test_recommended_options_are_valid_backend_options(result):
     best = result.best
     config = LoongConfig(**best.options)
     assert (config.hp, config.cp, config.inner_ring) == (best.config.hp, best.config.cp, best.config.inner_ring)
-    assert config.activations in ("none", "sc++", "memo")
+    assert config.activations in ACTIVATION_POLICIES
 
 
 def test_tighter_memory_prefers_memory_saving_policies():
     small = dataclasses.replace(H100, memory_gib=40)
     tight = plan(LLAMA31_8B, 131072, 64, small, zero_stages=(3,))
     assert tight.ranked and all(c.memory.estimate_gib <= 32 for c in tight.ranked)
-    assert {c.activations for c in tight.ranked} <= {"none", "sc++", "memo"}
+    assert {c.activations for c in tight.ranked} & {"sc++", "memo", "full", "full_offload"}
     nothing = plan(LLAMA31_8B, 131072, 64, dataclasses.replace(H100, memory_gib=4))
     assert nothing.best is None and nothing.pruned
 
@@ -132,7 +134,7 @@ def test_sequence_that_does_not_split_is_pruned():
     assert result.pruned_reasons()["sequence"] > 0
 
 
-@pytest.mark.parametrize("kwargs,named", [(dict(gpus=0), "gpus=0"), (dict(policies=("full",)), "activations"),
+@pytest.mark.parametrize("kwargs,named", [(dict(gpus=0), "gpus=0"), (dict(policies=("selective",)), "activations"),
                                           (dict(placements=("diagonal",)), "placements"),
                                           (dict(seq=-5), "seq=-5")])
 def test_bad_input_names_the_value(kwargs, named):
