@@ -2,11 +2,14 @@
 ``backend="inductor"``, with ``backend="loong"`` and its MLPs tiled, and with ``loong`` untiled.
 
     nice -n 5 python benchmarks/tiling_step.py [--tokens 4096 16384] [--tile-tokens 1024] \
-        [--rounds 9] [--call mask|plain] [--variants inductor loong+tiles loong] [--threads N]
+        [--rounds 9] [--call mask|plain] [--variants inductor loong+tiles loong] [--threads N] \
+        [--config num_attention_heads=4 num_key_value_heads=1 head_dim=32]
 
 The model is ``benchmarks/longest_sequence.py``'s ``tiny-1b`` (``--model``; imported, not
 copied): transformers' Llama with Llama-3.2-1B's hidden : FFN : vocabulary at 1/16 of its width,
-two layers, random weights, float32 on CPU, batch 1.  Every variant gets its own copy of the
+two layers, random weights, float32 on CPU, batch 1 (``--config`` overrides fields of its
+config: ``tiny-1b`` has 2 query heads a KV head, Llama-3.2-1B 4; 4 heads of 32 and 1 KV head
+keep its width).  Every variant gets its own copy of the
 same initial weights and its own AdamW; a step is forward, backward and the optimizer's step:
 ``model(ids, attention_mask=mask, labels=ids).loss`` with ``mask`` all ones, an input of the
 compiled function (``--call mask``: a collator's batch, as
@@ -130,12 +133,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--call", default="mask", choices=["mask", "plain"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--config", nargs="+", default=[], metavar="FIELD=INT",
+                        help="override fields of the model's config, e.g. num_key_value_heads=1")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
     config = model_config(args.model)
+    for item in args.config:
+        field, value = item.split("=")
+        setattr(config, field, int(value))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     variants = [Variant(name, model, args.tile_tokens, args.call) for name in args.variants]
