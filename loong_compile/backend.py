@@ -34,7 +34,7 @@ import torch.fx
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
 from loong_compile import _compat, shared_lowering
-from loong_compile._compat.aot import aot_autograd
+from loong_compile._compat.aot import aot_autograd, rng_state_only_for
 from loong_compile._compat.inductor import (
     LoongPartitioner, LoongPostGrad, comm_overlap_patches, compile_fx, inductor_config_value, on_next_output_code,
     scheduler_patches,
@@ -46,6 +46,7 @@ from loong_compile.errors import LoongConfigError
 from loong_compile.passes import library_passes, library_source_digest
 from loong_compile.passes.attention.input_roles import BALANCED_EXACT, POSITION_INPUTS
 from loong_compile.passes.attention.made_positions import MADE_POSITIONS
+from loong_compile.passes.fx.aten_ops import is_random
 from loong_compile.passes.fx.batch_view import blind_to_the_batch
 from loong_compile.passes.loss.sequence_loss import LABELS_SHIFTED, SHIFTED_LABEL_INPUTS
 from loong_compile.passes.memory_plan.request import pool_planning_patches
@@ -248,8 +249,9 @@ class _GraphCompile:
         self.run_stage("joint", joint, "joint")
         joint.recompile()
         kwargs.pop("compiler", None)
-        fw, bw = min_cut_rematerialization_partition(
-            joint, joint_inputs, compiler="inductor", num_fwd_outputs=num_fwd_outputs, **kwargs)
+        with rng_state_only_for(is_random):   # an attention op without dropout draws nothing
+            fw, bw = min_cut_rematerialization_partition(
+                joint, joint_inputs, compiler="inductor", num_fwd_outputs=num_fwd_outputs, **kwargs)
         split = SplitGraphs(fw, bw, num_fwd_outputs)
         self.run_stage("split", split, "split")
         split.forward.recompile()

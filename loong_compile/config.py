@@ -46,7 +46,7 @@ class LoongConfig:
         layer's FLOPs from the graph over a measured matmul rate.
     resident_layers: under ``memo`` and ``full_offload``, the last this-many transformer layers
         keep their saved values on device, neither offloaded nor recomputed (MEMO's eq. 3 counts
-        n - 2).
+        n - 2).  A block compiled on its own is every block's graph: none stays resident.
     memory_plan: give Inductor's buffers static offsets from the bi-level MIP.
     solver_time_limit: seconds the memory planner may spend on one compiled graph (greedy,
         search and MIP solves of all its pools together; the best plan found by then is used).

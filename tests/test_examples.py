@@ -80,19 +80,22 @@ def _fsdp_example_losses_and_states(rank, world, argv):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("offload", [[], ["--offload-states"]],
-                         ids=["states_on_device", "states_on_host"])
-def test_fsdp2_on_four_ranks_equals_one_process(monkeypatch, offload):
+@pytest.mark.parametrize("offload", [[], ["--offload-states", "--activations", "full_offload"]],
+                         ids=["states_on_device", "states_on_host_inputs_on_host"])
+def test_fsdp2_on_four_ranks_equals_one_process(monkeypatch, tmp_path, offload):
     """--fsdp: parameters, gradients and optimizer states sharded over dp x cp x hp = 4 ranks;
     the MLPs token-tiled (issue 52: FSDP2's gathered weights are the tiled op's inputs, read by
     every tile, recomputed in the backward after FSDP2 gathered them again).  With
     --offload-states the sharded states are on the host (CPUOffloadPolicy) and the optimizer
-    steps there; on CPU its copies are no-ops, and the losses are exact all the same."""
+    steps there; on CPU its copies are no-ops, and the losses are exact all the same.  With
+    them, ``full_offload`` (the planner's longest-sequence rows): each block, compiled on its
+    own, keeps its input alone and puts it on the host."""
     monkeypatch.setenv("LOONG_TILE_TOKENS", "16")   # the ranks it spawns inherit it
     argv = [*SMALL, "--steps", "4", "--lowering", "aot_eager"]
     reference = run_distributed(_example_losses, 1, argv, timeout=600)[0]
     sharded = run_distributed(_fsdp_example_losses_and_states, 4,
-                              [*argv, "--hp", "2", "--cp", "2", "--fsdp", *offload], timeout=900)
+                              [*argv, "--hp", "2", "--cp", "2", "--fsdp", *offload,
+                               "--dump-dir", str(tmp_path)], timeout=900)
     losses = [rank_losses for rank_losses, _ in sharded]
     assert all(rank_losses == losses[0] for rank_losses in losses)  # every rank: the same loss
     assert len(reference) == 4
@@ -102,6 +105,23 @@ def test_fsdp2_on_four_ranks_equals_one_process(monkeypatch, offload):
     policy = ("CPUOffloadPolicy", True) if offload else ("OffloadPolicy", False)
     for _, (units, policies, offloaded) in sharded:
         assert (units, policies, offloaded) == (4, {policy[0]}, {policy[1]})
+    if offload:   # every rank's block graph: one layer, its input alone saved, on the host
+        for rank in range(4):
+            blocks = [r for r in _reports(tmp_path / f"rank{rank}")
+                      if (_summary(r, "activations") or {}).get("layers")]
+            assert len(blocks) == 1, [r["graph_id"] for r in blocks]
+            (row,) = _summary(blocks[0], "activations")["layers"]
+            assert row["input"]["count"] == 1 and row["attention"]["count"] == row["other"]["count"] == 0, row
+            offload = _summary(blocks[0], "offload")
+            assert offload["host_bytes"] == row["input"]["bytes"] > 0 and offload["device_bytes"] == 0, offload
+
+
+def _reports(rank_dir: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted(rank_dir.glob("graph*/report.json"))]
+
+
+def _summary(report: dict, pass_name: str) -> dict | None:
+    return next((p["summary"] for p in report["passes"] if p["name"] == pass_name), None)
 
 
 def test_offload_states_without_fsdp_is_refused():

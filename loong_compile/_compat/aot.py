@@ -3,7 +3,11 @@ activation and mask passes, ops/exposure.py)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
+import torch.fx
 
 from loong_compile._compat import has
 
@@ -68,3 +72,25 @@ def aot_graph_kind(is_inference: bool) -> tuple[str, str]:
     inference = is_inference or "inference" in name
     kind = "inference" if inference else ("backward" if "backward" in name else "forward")
     return name, kind
+
+
+@contextlib.contextmanager
+def rng_state_only_for(is_random: Callable[[torch.fx.Node], bool]) -> Iterator[None]:
+    """Within: the min-cut partition saves and replays the RNG state only for the recomputed
+    nodes ``is_random`` says draw numbers.  PyTorch's attention ops carry the
+    ``nondeterministic_seeded`` tag for their dropout; recomputed (policy ``full``), each would
+    be wrapped in ``run_and_save_rng_state`` and hidden from the passes after the partition,
+    which look for the attention ops, although without dropout it draws nothing.  Checked
+    against torch 2.11-2.15 (``partitioners.has_recomputable_rng_ops``, looked up at each call)."""
+    from torch._functorch import partitioners
+
+    original = partitioners.has_recomputable_rng_ops
+
+    def has_recomputable_rng_ops(module: torch.fx.GraphModule) -> bool:
+        return any(partitioners.must_recompute(n) and is_random(n) for n in module.graph.nodes)
+
+    partitioners.has_recomputable_rng_ops = has_recomputable_rng_ops
+    try:
+        yield
+    finally:
+        partitioners.has_recomputable_rng_ops = original

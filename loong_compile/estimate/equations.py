@@ -233,11 +233,13 @@ HELD_LAYERS = (L / p) * (p - stage)
 
 
 def activation_terms(policy: str, exact: bool, working_set: bool, memo_alpha_zero: bool,
-                     lm_head_chunked: bool = False, tiled: bool = False) -> list[Term]:
+                     lm_head_chunked: bool = False, tiled: bool = False,
+                     resident_layers: int = 2) -> list[Term]:
     """Transformer-layer activations under ``policy`` plus the embedding / LM-head terms (the
     LM head as eq. 14 counts it, or as the compiler's token-chunked op keeps it); with
     ``tiled``, the MLP run a tile at a time (its intermediates never saved, one tile's working
-    set instead)."""
+    set instead).  ``resident_layers``: the layers memo and full_offload keep on the device
+    (MEMO: 2; none where each block is compiled on its own, as every block runs one graph)."""
     counted = counted_tensors(policy, exact, tiled)
     stored = stored_tensors(policy, exact, tiled)
     recomputed = [x for x in counted if x not in stored]
@@ -255,14 +257,15 @@ def activation_terms(policy: str, exact: bool, working_set: bool, memo_alpha_zer
         terms.append(Term("activations: MEMO rounding buffers", "activations", 2 * _bytes(stored),
                           "MEMO 4.1 (two rounding buffers), layer inputs only"))
         terms.append(Term("host: offloaded activations", "host",
-                          sp.Max(HELD_LAYERS - 2, 0) * _bytes(stored), "MEMO 4.1 eq. 3, alpha = 0"))
+                          sp.Max(HELD_LAYERS - resident_layers, 0) * _bytes(stored),
+                          "MEMO 4.1 eq. 3, alpha = 0"))
     else:
         # MEMO 4.1: every layer's skeletal tensors pass through two rounding buffers (even / odd
         # layers); with alpha = 0 the "other" tensors need no double buffering and share one buffer.
         buffers = 2 * _bytes(stored) + (1 if memo_alpha_zero else 2) * _bytes(recomputed)
         terms.append(Term("activations: MEMO rounding buffers", "activations", buffers,
                           "MEMO 4.1 (two rounding buffers)"))
-        host = sp.Max(HELD_LAYERS - 2, 0) * (_bytes(stored) + alpha * _bytes(recomputed))
+        host = sp.Max(HELD_LAYERS - resident_layers, 0) * (_bytes(stored) + alpha * _bytes(recomputed))
         terms.append(Term("host: offloaded activations", "host", host, "MEMO 4.1 eq. 3"))
     if working_set and recomputed and policy != "memo":     # memo recomputes into its rounding buffer
         terms.append(Term("activations: recompute working set (one layer)", "activations",
@@ -326,8 +329,11 @@ def all_terms(zero: int, policy: str, exact: bool, working_set: bool, alpha_zero
               states_on_host: bool = False) -> list[Term]:
     """Every term for these switches (see ``MemoryOptions``), symbolic in ``SYMBOLS``."""
     terms = model_state_terms(zero, states_on_host)
+    # ZeRO-3 shards each block as a unit of its own, compiled on its own (examples/training.py
+    # --fsdp): every block runs the one graph, so memo and full_offload swap every layer
     terms += activation_terms(policy, exact, working_set, memo_alpha_zero=alpha_zero,
-                              lm_head_chunked=lm_head_chunked, tiled=tiled)
+                              lm_head_chunked=lm_head_chunked, tiled=tiled,
+                              resident_layers=0 if zero == 3 else 2)
     if ring_buffers:
         terms.append(RING_BUFFER_TERM)
     return terms

@@ -85,6 +85,11 @@ class ActivationPlan:
                 self._by_base[v.base] = (v.layer, v.category)
         if base in self._by_base:
             return self._by_base[base]
+        # a block's input is a graph input the partition may not save (no backward op reads
+        # it); ``recompute`` saves it to recompute from, and it is the layer's like any input
+        layer = next((i for i, ns in self.layers.inputs.items() if base in ns), None)
+        if layer is not None:
+            return layer, "input"
         if base.op in ("placeholder", "get_attr"):
             return None, "graph_input"
         return None, "outside"
@@ -112,7 +117,7 @@ def _count_bytes(values: list[SavedValue]) -> dict[str, Any]:
 
 def classify(split: SplitGraphs) -> ActivationPlan:
     fw = split.forward.graph
-    layers = find_layers(fw)
+    layers = find_layers(fw, returned=fw.output_node().args[0][:split.num_fwd_outputs])
     input_layer = {base_of(n): i for i, ns in layers.inputs.items() for n in ns}
     attention_layer = {out: i for i, nodes in layers.attention.items() for att in nodes
                        for out in getitem_users(att)}
@@ -146,7 +151,9 @@ def decide_alpha(plan: ActivationPlan, config: Any, alpha: float | str) -> None:
     """MEMO's alpha for the swapped layers (all but the last ``resident_layers``); ``alpha``:
     a fraction, or ``"auto"`` for MEMO's LP."""
     n = len(plan.layers.names)
-    plan.swapped = list(range(max(n - config.resident_layers, 0)))
+    # a block compiled on its own is every block: none can stay resident
+    resident = 0 if plan.layers.one_block else config.resident_layers
+    plan.swapped = list(range(max(n - resident, 0)))
     sizes = {cat: 0 for cat in CATEGORIES}
     table = plan.table()
     for i in plan.swapped:   # layers are alike; size the LP for the largest
@@ -164,7 +171,7 @@ def decide_alpha(plan: ActivationPlan, config: Any, alpha: float | str) -> None:
                       else float(config.layer_time))
         bandwidth, host_memory, layer_time = agree_min([bandwidth, host_memory, layer_time])
     inputs = alpha_lp.AlphaInputs(sizes["input"], sizes["attention"], sizes["other"], n,
-                                  config.resident_layers, bandwidth, max(layer_time, 1e-12), host_memory)
+                                  resident, bandwidth, max(layer_time, 1e-12), host_memory)
     if alpha == "auto":
         decision = alpha_lp.solve_alpha(inputs, config.solver_time_limit)
     else:

@@ -61,8 +61,15 @@ def is_collective(node: torch.fx.Node) -> bool:
 
 
 def is_random(node: torch.fx.Node) -> bool:
-    """Whether ``node`` draws random numbers (running it again gives other values)."""
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    """Whether ``node`` draws random numbers (running it again gives other values).  PyTorch's
+    attention ops are tagged so for their dropout: without it (``dropout_p`` 0, training LLMs'
+    rule) they give the same values again and can be recomputed."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    if is_attention(node):
+        named = node.normalized_arguments(None, normalize_to_only_use_kwargs=True)
+        return named is None or named.kwargs.get("dropout_p", 0.0) != 0.0
+    return True
 
 
 def node_flops(node: torch.fx.Node) -> int:

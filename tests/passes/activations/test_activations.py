@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from loong_compile import LoongBackend, LoongConfigError, _compat
 from helpers import (
-    BATCH, BUDGET, DIM, FFN, HEADS, KV_HEADS, SEQ, assert_same_loss_and_grads, example_llama, run_step, token_ids,
+    BATCH, BUDGET, DIM, FFN, HEADS, KV_HEADS, SEQ, assert_same_loss_and_grads, example_llama, run_step,
+    tiny_llama, token_ids,
 )
 
 _references: dict[str, tuple] = {}
@@ -158,6 +159,62 @@ def test_sc_plus_plus_keeps_inputs_and_attention_only():
         assert row["attention"]["bytes"] == want["attention"]
         # only the last layer's output (the final norm's input) is left among the others
         assert row["other"]["bytes"] == (BATCH * SEQ * DIM * 4 if i == len(rows) - 1 else 0)
+
+
+@pytest.mark.compat
+def test_full_keeps_inputs_only_and_recomputes_the_attention():
+    """``full`` at one process: PyTorch's SDPA (tagged random for its dropout, here 0) is
+    recomputed too, so a layer saves its input alone; the loss is as under none."""
+    loss, grads, report = run_step("hf", {"activations": "full"})
+    rows = report.summary("activations")["layers"]
+    assert [r["layer"] for r in rows] == ["model.layers.0", "model.layers.1"]
+    for i, row in enumerate(rows):
+        assert row["input"]["bytes"] == skeletal_bytes()["input"] and row["attention"]["bytes"] == 0, row
+        assert row["other"]["bytes"] == (BATCH * SEQ * DIM * 4 if i == len(rows) - 1 else 0), row
+    assert_same_loss_and_grads((loss, grads), reference("hf")[:2])
+
+
+# -- a block compiled on its own (layer.compile(), compile_blocks, FSDP2's units) ------------
+
+# what each policy does with a block's saved values, by category: (kept on the device, put on
+# the host, recomputed in the backward by memo's pass)
+BLOCK_KEEPS = {"sc++": ({"input", "attention"}, set(), set()),
+               "memo": (set(), {"input", "attention"}, {"other"}),
+               "full": ({"input"}, set(), set()), "full_offload": (set(), {"input"}, set())}
+
+
+@pytest.mark.parametrize("policy", list(BLOCK_KEEPS))
+def test_a_block_compiled_alone_is_one_layer(policy):
+    """A block's graph holds no ModuleList element: it is one layer whose input is a graph
+    input, every block swapped (none resident).  At one process the attention is PyTorch's
+    SDPA, tagged random for its dropout: without dropout ``full`` recomputes it (saving no
+    out or lse) and the passes after the partition still see it."""
+    model, ids = tiny_llama(hf=True), token_ids()
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    eager = model(ids, position_ids=positions, labels=ids).loss
+    eager.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    reports = []
+    options = {"lowering": "aot_eager", "activations": "memo" if policy == "memo" else policy,
+               "alpha": 0.0, **BUDGET}
+    backend = LoongBackend(options, on_report=reports.append)
+    torch._dynamo.reset()
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    loss = model(ids, position_ids=positions, labels=ids).loss
+    loss.backward()
+    assert_same_loss_and_grads((loss.detach(), {n: p.grad for n, p in model.named_parameters()}),
+                               (eager.detach(), want))
+    (row,) = reports[-1].summary("activations")["layers"]
+    assert row["layer"] == "block" and row["input"]["count"] == 1, row
+    device, host, recomputed = BLOCK_KEEPS[policy]
+    saved = {c for c in ("input", "attention", "other") if row[c]["bytes"]}
+    assert saved == device | host | recomputed, row
+    if host:
+        offload = reports[-1].summary("offload")
+        assert offload["host_bytes"] == sum(row[c]["bytes"] for c in host), offload
+        assert offload["recomputed_bytes"] == sum(row[c]["bytes"] for c in recomputed), offload
 
 
 # -- bad input: a clear error or a reported fall-back, never a wrong gradient -------------
