@@ -61,8 +61,8 @@ graph most:
   (``TILED``: Qwen3-MoE's experts, GPT-2, Qwen2, Gemma 3, DeepSeek-V3's MLA, Llama), the regions
   counted;
 - ``full`` and ``full_offload`` (issue 52): each layer's input alone saved, the attention
-  recomputed with its collectives (Qwen3-MoE, Gemma 3 with a window and packed documents,
-  DeepSeek-V3 with its inputs on the host).
+  recomputed with its collectives (Qwen3-MoE, DeepSeek-V3 with its inputs on the host; on
+  blocks, below, Qwen2 with padded rows, Mistral with a window, Llama and Gemma 3).
 
 A window, padding or packed documents make 2D-Attention's masked op, which the activation
 passes did not take for attention: sc++ and memo found no layer there and did nothing, with
@@ -110,7 +110,7 @@ POLICY_CASES = {
     "memory_plan": [Case("falcon"), Case("llama", habit="eval_no_grad"), Case("llama", attn="eager")],
     # issue 52: only the layers' inputs saved, attention recomputed too (its collectives run again
     # in the backward); under full_offload those inputs on the host
-    "full": [Case("qwen3moe"), Case("gemma3", window=WINDOW_SHARD, habit="packed_use_cache_false")],
+    "full": [Case("qwen3moe")],   # and on blocks: Qwen2 padded, Gemma 3 by hand (BLOCKS)
     "full_offload": [Case("deepseek_v3")],
 }
 # documents in shard_batch's balanced order (issue 24) with a window shorter than a rank's share:
