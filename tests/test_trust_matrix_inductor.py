@@ -236,9 +236,9 @@ BLOCKS += [Cell(policy, Case(arch, window=window, compile="by_hand"), 2, 2)
                                         ("memo-alpha0", "mistral", WINDOW_SHARD),
                                         ("full", "gemma3", None)]]
 # a refusal comes before anything a policy does: under one
-BLOCKS += [Cell("sc++", Case("llama", habit=habit, compile="by_hand") if habit != "padding"
-                else Case("qwen2", habit=habit, compile="by_hand"), 2, 2)
-           for habit in BY_HAND_REFUSED]
+BLOCKS += [Cell("sc++", Case(arch, habit=habit, compile="by_hand"), 2, 2)
+           for arch, habit in [("llama", "packed_use_cache_false"), ("qwen2", "padding"),
+                               ("llama", "labels")]]
 
 
 def _options(cell: Cell) -> dict:

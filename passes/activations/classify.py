@@ -81,15 +81,14 @@ class ActivationPlan:
         if base in self.owners:
             return self.owners[base]
         if not self._by_base:   # the first saved value of each storage, as a scan would find it
+            # a block's input is a graph input the partition may not save (no backward op
+            # reads it); ``recompute`` saves it to recompute from, the layer's like any input
+            for i, nodes in self.layers.inputs.items():
+                self._by_base.update(dict.fromkeys(nodes, (i, "input")))
             for v in reversed(self.values):
                 self._by_base[v.base] = (v.layer, v.category)
         if base in self._by_base:
             return self._by_base[base]
-        # a block's input is a graph input the partition may not save (no backward op reads
-        # it); ``recompute`` saves it to recompute from, and it is the layer's like any input
-        layer = next((i for i, ns in self.layers.inputs.items() if base in ns), None)
-        if layer is not None:
-            return layer, "input"
         if base.op in ("placeholder", "get_attr"):
             return None, "graph_input"
         return None, "outside"

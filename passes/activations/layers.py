@@ -60,7 +60,7 @@ def find_layers(graph: torch.fx.Graph, is_forward: Callable[[torch.fx.Node], boo
     if not names:
         if returned is None:
             returned = [n for n in graph.output_node().all_input_nodes if is_forward(n)]
-        return _one_block(graph, is_forward, ops, returned)
+        return _one_block(graph, list(named), is_forward, ops, returned)
     index = {name: i for i, name in enumerate(names)}
     node_layer = {n: index[name] for n, name in named.items() if name in index}
     inputs: dict[int, list[torch.fx.Node]] = {i: [] for i in range(len(names))}
@@ -97,12 +97,12 @@ def find_layers(graph: torch.fx.Graph, is_forward: Callable[[torch.fx.Node], boo
     return Layers(names, node_layer, inputs, attention, leaving)
 
 
-def _one_block(graph: torch.fx.Graph, is_forward: Callable[[torch.fx.Node], bool], ops,
-               returned: Sequence[Any]) -> Layers:
+def _one_block(graph: torch.fx.Graph, nodes: list[torch.fx.Node],
+               is_forward: Callable[[torch.fx.Node], bool], ops, returned: Sequence[Any]) -> Layers:
     """A graph with attention and no ModuleList element, one of whose float inputs has the shape
     and dtype of a value the forward returns (a block maps the residual stream to one of the
-    same shape): one layer, every forward node in it, that input its input.  Else no layer."""
-    nodes = [n for n in graph.nodes if n.op == "call_function" and is_forward(n)]
+    same shape): one layer, all its forward ``nodes`` in it, that input its input.  Else no
+    layer."""
     attention = [n for n in nodes if is_attention(n, ops)]
     shapes = {_signature(n) for n in returned
               if isinstance(n, torch.fx.Node) and n.op != "placeholder"} - {None}
