@@ -122,3 +122,11 @@ def forward_hooks_named(module: torch.nn.Module, names: tuple[str, ...],
         module._forward_hooks_with_kwargs.pop(key, None)
         module._forward_hooks_always_called.pop(key, None)
     return len(keys)
+
+
+def graphs_compiled() -> int:
+    """How many graphs Dynamo has compiled in this process (``counters["stats"]
+    ["unique_graphs"]``, checked against torch 2.11-2.15): a recompile adds one."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]

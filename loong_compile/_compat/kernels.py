@@ -54,13 +54,28 @@ def cudagraph_unsafe_tags() -> tuple:
 @contextlib.contextmanager
 def autograd_in_op_body():
     """Autograd recording inside a custom op's body, where the dispatcher has turned it off:
-    flex_attention's backward is only reachable through autograd (ops/attention/flex.py)."""
+    flex_attention's backward is only reachable through autograd (ops/attention/flex.py).
+    With ``steady_dispatch``'s state besides."""
     keys = torch._C.DispatchKey
     exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
+    for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor,
+                keys.ADInplaceOrView):
         exclude = exclude.remove(key)
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), \
             torch.enable_grad():
+        yield
+
+
+@contextlib.contextmanager
+def steady_dispatch():
+    """One thread-local dispatch state for a ``torch.compile``d function called in a custom
+    op's body, whichever path reached the op.  Dynamo guards each input tensor's dispatch keys
+    as that state shows them; the first run of a compiled graph reaches the op with
+    ``ADInplaceOrView`` excluded and every later run with it included, so a token-tiled region
+    compiled once more in the second step (its compile's memory in that step's peak).  The
+    private APIs of ``autograd_in_op_body``; checked against torch 2.11, 2.13 and 2.15."""
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.ADInplaceOrView)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
         yield
 
 

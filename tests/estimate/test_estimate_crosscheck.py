@@ -55,7 +55,8 @@ def disagreement(label: str, compiled: dict[str, int], estimated: dict[str, int]
 # the MLP token-tiled (issue 52, tiles of 16 tokens): the estimator's tiled layer keeps none of
 # its intermediates, as the compiled graph
 @pytest.mark.parametrize("policy,alpha,tiles", [("none", 0.0, 0), ("sc++", 0.0, 0), ("memo", 0.125, 0),
-                                               ("memo", 0.5, 0), ("none", 0.0, 16), ("memo", 0.5, 16)])
+                                               ("memo", 0.5, 0), ("none", 0.0, 16), ("sc++", 0.0, 16),
+                                               ("memo", 0.5, 16)])
 def test_estimator_agrees_with_compiled_saved_bytes(policy, alpha, tiles):
     report = compiled_report(policy, alpha, tiles)
     estimate = layer_activations(SPEC, SEQ, BATCH, FP32, policy, alpha, tiled=bool(tiles))

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from loong_compile._compat.kernels import autograd_in_op_body, create_block_mask_fused
+from loong_compile._compat.kernels import (autograd_in_op_body, create_block_mask_fused,
+                                           steady_dispatch)
 from loong_compile.ops.masks.blocks import allowed
 
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -71,8 +72,9 @@ def _compiled_flex():
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, scale: float):
     run = _compiled_flex() if q.device.type == "cuda" else flex_attention
-    return run(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.size(1) != k.size(1),
-               return_lse=True)
+    with steady_dispatch():   # the compiled kernel's guards see one state at every step
+        return run(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.size(1) != k.size(1),
+                   return_lse=True)
 
 
 def flex_forward(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask,

@@ -34,7 +34,7 @@ import torch
 import torch.fx
 from torch import Tensor
 
-from loong_compile._compat.kernels import autograd_in_op_body
+from loong_compile._compat.kernels import autograd_in_op_body, steady_dispatch
 from loong_compile.ops.tiling.loop import Gradients, tiles
 
 _NOTHING = (0,)
@@ -65,7 +65,8 @@ class Region:
     _compiled: Callable | None = None
 
     def forward(self, entry: Tensor, others: list[Tensor]) -> tuple[Tensor, ...]:
-        return self._function()(entry, *others)
+        with steady_dispatch():   # one compiled forward whichever step calls it
+            return self._function()(entry, *others)
 
     def gradients(self, entry: Tensor, others: list[Tensor], grads: list[Tensor],
                   needs: list[bool]) -> list[Tensor | None]:

@@ -17,6 +17,7 @@ import loong_compile as lc
 from helpers import allocated_shapes
 from hf_models import build
 from trust_cases import precision
+from loong_compile._compat.dynamo import graphs_compiled
 from loong_compile._compat.inductor import generated_code
 from loong_compile.ops.tiling.region import Region
 
@@ -135,3 +136,33 @@ def test_under_inductor_no_buffer_holds_the_whole_sequences_intermediates():
     wide = [s for s in allocated_shapes(code) if ffn in s]
     assert any(math.prod(s) == B * 8 * ffn for s in wide), wide
     assert max(math.prod(s) for s in wide) < B * T * ffn, wide
+    # the region's two compiled functions serve every later step: none compiles again (the
+    # second step's forward once reached the region with another dispatch state and recompiled)
+    compiled_so_far = graphs_compiled()
+    for _ in range(2):
+        train_step(compiled, model, ids())
+    assert graphs_compiled() == compiled_so_far
+
+
+def test_under_sc_plus_plus_a_tiled_layer_saves_nothing_of_its_mlp():
+    """At hp = cp = 1 under ``sc++`` with tiles, each layer saves its input and its attention's
+    outputs (out, lse), nothing of the MLP's intermediates (the tiles recompute them): what the
+    untiled layer saves.  The last layer may also hold the final norm's input (outside the layers)."""
+    saved = {}
+    for tiles in (0, TILE):
+        model = build("llama")
+        compiled, reports = tiled(model, activations="sc++", tile_tokens=tiles)
+        train_step(compiled, model, ids())
+        report = {id(r): r for r in reports}.popitem()[1]
+        saved[tiles] = report.summary("activations")["layers"]
+    assert report.summary("token_tiling")["changed"]
+    width = model.config.hidden_size * B * T * 8             # one float64 (B, T, D) value
+    for layer in saved[TILE]:
+        assert (layer["input"]["count"], layer["input"]["bytes"]) == (1, width), layer
+        assert layer["attention"]["count"] == 2, layer
+    for layer in saved[TILE][:-1]:
+        assert layer["other"]["count"] == 0, layer
+    assert saved[TILE][-1]["other"]["bytes"] in (0, width)
+    strip = lambda layers: [{c: layer[c]["bytes"] for c in ("input", "attention", "other")}
+                            for layer in layers]
+    assert strip(saved[TILE]) == strip(saved[0])
