@@ -31,6 +31,10 @@ def compiled_module(gm: torch.fx.GraphModule) -> torch.nn.Module | None:
         for path, _ in (node.meta.get("nn_module_stack") or {}).values():
             parsed = parse_module_path(str(path))
             root = _path_root(parsed) if parsed is not None else None
+            if root is not None and not isinstance(root, torch.nn.Module):
+                # a step holding the model in an object (``self.model`` of a trainer's method
+                # or closure): the first entry's whole path is the outermost module
+                root = follow_module_path(root, parsed.steps)
             if isinstance(root, torch.nn.Module):
                 return root
     return None
@@ -54,10 +58,13 @@ def module_of(root: torch.nn.Module | None, node: torch.fx.Node) -> torch.nn.Mod
     parsed = parse_module_path(path)
     if parsed is None:
         return None
-    # the path's own root first: a step function may call more than one module
+    # the path's own root first (a step function may call more than one module), whatever
+    # holds the modules there (a module, or an object with the model as an attribute)
     start = _path_root(parsed)
-    start = start if isinstance(start, torch.nn.Module) else root
     module = follow_module_path(start, parsed.steps) if start is not None else None
+    if not isinstance(module, torch.nn.Module) and not isinstance(start, torch.nn.Module) \
+            and root is not None:
+        module = follow_module_path(root, parsed.steps)
     return module if isinstance(module, torch.nn.Module) else None
 
 
