@@ -66,7 +66,8 @@ def test_a_tiny_model_runs_under_a_cap_with_its_masks_dropped():
     with both attention masks dropped."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "longest_sequence.py"), "--model", "tiny",
-         "--variants", "loong-none", "--start", "512", "--limit", "2048", "--cap-mib", "28"],
+         "--variants", "loong-none", "--start", "512", "--limit", "2048", "--cap-mib", "28",
+         "--mask"],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     (row,) = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
