@@ -90,8 +90,17 @@ def longest(fits: Callable[[int], bool], start: int, limit: int,
     return good
 
 
-def model_config(name: str):
-    """transformers' config of a preset's shape (Qwen2 for the presets with q/k/v biases)."""
+def model_config(name: str, overrides: list[str] = ()):
+    """transformers' config of a preset's shape (Qwen2 for the presets with q/k/v biases), with
+    ``overrides`` ("FIELD=INT", ``--config``) set on it."""
+    config = _preset_config(name)
+    for item in overrides:
+        field, value = item.split("=")
+        setattr(config, field, int(value))
+    return config
+
+
+def _preset_config(name: str):
     from transformers import LlamaConfig, Qwen2Config
 
     if name == "tiny":
@@ -149,13 +158,13 @@ class Step:
         if self.variant.endswith("+tiles"):   # the MLPs' tiles and the LM head's chunks alike
             options = {**options, "tile_tokens": self.tile_tokens,
                        "lm_head_chunk": self.tile_tokens}
-        if backend == "loong" and self.lm_head_chunk is not None:
-            options = {**options, "lm_head_chunk": self.lm_head_chunk}
         if backend == "loong":
             import loong_compile as lc
 
             self.mesh = lc.init_mesh(hp=self.hp, cp=self.cp)
             options = {**options, "hp": self.hp, "cp": self.cp}
+            if self.lm_head_chunk is not None:
+                options["lm_head_chunk"] = self.lm_head_chunk
         if backend == "alst":
             import alst
 
@@ -313,10 +322,7 @@ def predicted(model: str, policy: str, hardware) -> int | None:
 
 
 def measure(args, variant: str, hardware) -> dict:
-    config = model_config(args.model)
-    for item in args.config:
-        field, value = item.split("=")
-        setattr(config, field, int(value))
+    config = model_config(args.model, args.config)
     step = Step(variant, config, args.device,
                 None if args.cap_mib is None else args.cap_mib * 2 ** 20, args.tile_tokens,
                 args.hp, args.cp, args.lm_head_chunk, args.mask)

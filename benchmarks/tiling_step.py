@@ -140,10 +140,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    config = model_config(args.model)
-    for item in args.config:
-        field, value = item.split("=")
-        setattr(config, field, int(value))
+    config = model_config(args.model, args.config)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     variants = [Variant(name, model, args.tile_tokens, args.call) for name in args.variants]
