@@ -211,8 +211,10 @@ def tiled_region_backward(key: str, tile: int, entry: Tensor, others: list[Tenso
             if needs[j + 1] and grad is not None:
                 sums.add(j, grad)
     tokens, params = sums.result()
-    empty = entry.new_empty(_NOTHING)
-    return [tokens[0] if needs[0] else empty, *(empty if p is None else p for p in params)]
+    # a new empty tensor for each gradient not wanted (a frozen weight, as LoRA's base): an op's
+    # returns may not alias one another
+    return [tokens[0] if needs[0] else entry.new_empty(_NOTHING),
+            *(entry.new_empty(_NOTHING) if p is None else p for p in params)]
 
 
 @tiled_region_backward.register_fake

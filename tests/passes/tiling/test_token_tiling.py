@@ -16,7 +16,7 @@ import torch
 import loong_compile as lc
 from helpers import allocated_shapes
 from hf_models import build
-from trust_cases import precision
+from trust_cases import Case, _lora_setup, precision
 from loong_compile._compat.dynamo import graphs_compiled
 from loong_compile._compat.inductor import generated_code
 from loong_compile.ops.tiling.region import Region
@@ -87,6 +87,20 @@ def test_the_mlp_of_every_family_is_tiled_and_exact(arch):
         assert region["tiles"] > 1, region
     # attention's projections to heads and the LM head are wider at their outputs: never one
     assert not any("lm_head" in r["source"] or "q_proj" in r["source"] for r in changed)
+
+
+def test_lora_adapters_in_a_tiled_mlp_are_exact():
+    """PEFT's LoRA on the MLP's up projection (and attention's q and v), the base weights frozen:
+    the region's frozen weights get no gradient (each an empty return of its own: an op's returns
+    may not alias one another), the adapters their untiled gradients, under Inductor."""
+    model = _lora_setup(Case("llama", habit="lora"), build("llama")).double()   # adapters too
+    eager = copy.deepcopy(model)
+    reference = train_step(eager, eager, ids())
+    compiled, reports = tiled(model, lowering="inductor")
+    # transformers' loss takes the logits to float32 (``logits.float()``): one float32 ulp apart
+    assert_same(train_step(compiled, model, ids()), reference, rtol=1e-6)
+    (region,) = [r for summary in tilings(reports) for r in summary["changed"]]
+    assert "up_proj" in str(region) and any("lora" in name for name in reference[1])
 
 
 def test_every_tile_runs_at_one_shape(monkeypatch):
