@@ -44,8 +44,10 @@ class Exchange:
         _BYTES["p2p"] += tensor.numel() * tensor.element_size()
 
     def wait(self) -> torch.Tensor:
-        for work in self._works:
-            work.wait()
+        # each work holds its tensor until dropped: the sent block is freed here, not when the
+        # Exchange goes (a ring keeps it until its next hop otherwise)
+        while self._works:   # a gloo work waited on twice never returns
+            self._works.pop().wait()
         return self._received
 
 

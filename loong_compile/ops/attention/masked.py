@@ -169,6 +169,7 @@ def masked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
             dk, dv = kv_parts(target[:, :, cols], k.size(-1))
             dk += dk_block
             dv += dv_block
+            del dq_block, dk_block, dv_block   # one block's gradients live at a time
         if step > 0:
             returned = return_step(masked, step, target, dkv)
             if returned is not None:

@@ -160,20 +160,36 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
 
 def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   is_causal: bool, scale: float, ring: DoubleRing) -> tuple[Tensor, Tensor, Tensor]:
+    if ring.cp == 1:   # one block, the own: the kernel's gradients are the answer
+        grads = attention_backward(dout, q, k, v, out, lse, is_causal=is_causal, scale=scale)
+        return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (q, k, v)))
     acc = accumulation_dtype(q.dtype)
     half = q.size(2) // 2
-    dq = torch.zeros_like(q, dtype=acc)
+    dq = None
     incoming = None  # dK/dV of the held block, accumulated by its earlier holders
     for _, s, owner, kv in ring.kv_schedule(kv_buffer(k, v)):
         rows, cols, causal = block_plan(is_causal, ring.rank, owner, half)
+        # The held block's dK/dV is waited for before this block's kernel, which frees the one
+        # this rank sent: two dK/dV blocks never live beside the kernel's gradients (issue 52:
+        # the peak of a layer's backward; the hop's transfer no longer hides behind the kernel)
+        dkv = None if incoming is None else incoming.wait()
         dq_block, dk_block, dv_block = attention_backward(
             dout[:, :, rows], q[:, :, rows], *kv_parts(kv[:, :, cols], k.size(-1)),
             out[:, :, rows], lse[:, :, rows], is_causal=causal, scale=scale)
-        dq[:, :, rows] += dq_block
-        dkv = torch.zeros_like(kv, dtype=acc) if incoming is None else incoming.wait()
-        dk, dv = kv_parts(dkv[:, :, cols], k.size(-1))
-        dk += dk_block
-        dv += dv_block
+        # The first block is the own one (every row and column): its gradients start the
+        # accumulators instead of zeros, and each block's are dropped before the next block's
+        # kernel, so that one block's gradients are live at a time.
+        if dq is None:
+            dq = dq_block.to(acc)
+        else:
+            dq[:, :, rows] += dq_block
+        if dkv is None:
+            dkv = kv_buffer(dk_block.to(acc), dv_block.to(acc))
+        else:
+            dk, dv = kv_parts(dkv[:, :, cols], k.size(-1))
+            dk += dk_block
+            dv += dv_block
+        del dq_block, dk_block, dv_block
         if ring.cp > 1:
             incoming = ring.send_dkv(dkv, last_micro_step=s == ring.w - 1)
     if incoming is not None:  # the own block's gradient, back from its last holder
