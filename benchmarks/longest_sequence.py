@@ -142,6 +142,7 @@ class Step:
     cp: int = 1
     lm_head_chunk: int | None = None  # loong's option (default: the tile with tiles, else auto)
     mask: bool = False                # one process: a collator's all-ones attention_mask too
+    head_groups: int = 1              # loong's option: attention a group of heads at a time
 
     def __post_init__(self):
         from transformers import AutoModelForCausalLM
@@ -165,6 +166,8 @@ class Step:
             options = {**options, "hp": self.hp, "cp": self.cp}
             if self.lm_head_chunk is not None:
                 options["lm_head_chunk"] = self.lm_head_chunk
+            if self.head_groups > 1:
+                options["head_groups"] = self.head_groups
         if backend == "alst":
             import alst
 
@@ -325,7 +328,7 @@ def measure(args, variant: str, hardware) -> dict:
     config = model_config(args.model, args.config)
     step = Step(variant, config, args.device,
                 None if args.cap_mib is None else args.cap_mib * 2 ** 20, args.tile_tokens,
-                args.hp, args.cp, args.lm_head_chunk, args.mask)
+                args.hp, args.cp, args.lm_head_chunk, args.mask, args.head_groups)
     results: dict[int, dict | None] = {}
     lead = step._rank() == 0
     if args.at:   # no search: the peak at each length
@@ -395,6 +398,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         default="auto", help='the "+tiles" variants\' tile_tokens ("auto" or tokens)')
     parser.add_argument("--lm-head-chunk", type=int,
                         help="loong's lm_head_chunk (default: --tile-tokens with tiles, else auto)")
+    parser.add_argument("--head-groups", type=int, default=1,
+                        help="loong's head_groups (attention a group of heads at a time)")
     parser.add_argument("--mask", action="store_true",
                         help="one process: pass an all-ones attention_mask (a collator's batch)")
     parser.add_argument("--at", type=int, nargs="+",

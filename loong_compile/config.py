@@ -34,6 +34,10 @@ class LoongConfig:
     placement: ``head_first`` keeps an HP group on consecutive ranks, ``context_first`` a CP group
         (``parallel/rules.py::PLACEMENT_DOCS``).
     inner_ring: ranks per inner ring of the Double-Ring (must divide cp).
+    head_groups: groups of heads each attention runs one after the other on a rank (the head
+        all-to-all, the ring and the all-to-all back: ``ops/attention/head_groups.py``), so that
+        one group's attention working set is live at a time; it divides the query heads a rank
+        holds (``heads / hp``), and divides its KV heads or is a multiple of them.  1: no groups.
     activations: ``none`` (Inductor's partition), ``sc++`` (save layer inputs and attention
         outputs, recompute the rest), ``memo`` (offload + token-slice recompute), ``full`` (save
         layer inputs, recompute the rest, attention too), ``full_offload`` (``full`` with the
@@ -78,6 +82,7 @@ class LoongConfig:
     cp: int = 1
     placement: Placement = "head_first"
     inner_ring: int = 1
+    head_groups: int = 1
     activations: ActivationPolicy = "none"
     alpha: float | Literal["auto"] = "auto"
     host_bandwidth: float | Literal["auto"] = "auto"
@@ -162,7 +167,7 @@ def _measured(must: str, low_open: bool = True) -> _Rule:
 
 
 _RULES = {
-    "hp": _COUNT, "cp": _COUNT, "inner_ring": _COUNT,
+    "hp": _COUNT, "cp": _COUNT, "inner_ring": _COUNT, "head_groups": _COUNT,
     "alpha": _Rule('"auto" or a number in [0, 1]',
                    'pass alpha="auto" to solve MEMO\'s LP, or a fraction such as 0.5',
                    low=0, high=1, finite=True, env_must='"auto" or a float in [0, 1]'),

@@ -5,7 +5,8 @@ import pytest
 from loong_compile import LoongConfig, LoongConfigError
 
 GOOD = {
-    "hp": 2, "cp": 4, "placement": "context_first", "inner_ring": 2, "activations": "memo",
+    "hp": 2, "cp": 4, "placement": "context_first", "inner_ring": 2, "head_groups": 2,
+    "activations": "memo",
     "alpha": 0.25, "host_bandwidth": 12e9, "host_memory": 64 * 2**30, "layer_time": 0.004,
     "resident_layers": 0, "memory_plan": True, "solver_time_limit": 3.5, "dump_dir": "out/",
     "disable_passes": ("attention_2d",), "lowering": "aot_eager", "allow_graphs_without_attention": True,
@@ -18,6 +19,7 @@ BAD = {
     "cp": [0, 2.0, None],
     "placement": ["heads_first", 1],
     "inner_ring": [0, "x"],
+    "head_groups": [0, 1.5, "2"],
     "activations": ["selective", None],
     "alpha": [-0.1, 1.5, "half", True],
     "host_bandwidth": [0, -1e9, "fast", True, float("nan"), float("inf")],
@@ -102,7 +104,7 @@ ENV = {
     "LOONG_SOLVER_TIME_LIMIT": "2", "LOONG_DUMP_DIR": "/tmp/d", "LOONG_DISABLE_PASSES": "a,b",
     "LOONG_LOWERING": "eager", "LOONG_ALLOW_GRAPHS_WITHOUT_ATTENTION": "1",
     "LOONG_TOKEN_LOCAL_OPS": "liger::rms_norm", "LOONG_RANK_CHECK_TIMEOUT": "20",
-    "LOONG_LM_HEAD_CHUNK": "256", "LOONG_TILE_TOKENS": "0", "LOONG_INDUCTOR_OPTIONS": '{"cpp.simdlen": 1}', "PATH": "/bin",
+    "LOONG_LM_HEAD_CHUNK": "256", "LOONG_TILE_TOKENS": "0", "LOONG_HEAD_GROUPS": "4", "LOONG_INDUCTOR_OPTIONS": '{"cpp.simdlen": 1}', "PATH": "/bin",
 }
 
 
@@ -114,7 +116,8 @@ def test_environment_sets_every_key():
                               solver_time_limit=2.0, dump_dir="/tmp/d", disable_passes=("a", "b"),
                               lowering="eager", allow_graphs_without_attention=True,
                               token_local_ops=("liger::rms_norm",), rank_check_timeout=20.0,
-                              lm_head_chunk=256, tile_tokens=0, inductor_options={"cpp.simdlen": 1})
+                              lm_head_chunk=256, tile_tokens=0, inductor_options={"cpp.simdlen": 1},
+                              head_groups=4)
     assert {f"LOONG_{f.name.upper()}" for f in dataclasses.fields(LoongConfig)} <= set(ENV)
 
 

@@ -124,12 +124,14 @@ def work_done(reports: list) -> dict:
     memo offloaded and recomputed, each memory plan's status and the regions token tiling cut
     (a policy that touched nothing would make its case prove nothing)."""
     done = {"recompute_tags": 0, "host_bytes": 0, "recomputed_bytes": 0, "memory_plan": [],
-            "attention_rewritten": 0, "attention_kept": [], "tiled_regions": 0}
+            "attention_rewritten": 0, "attention_kept": [], "tiled_regions": 0,
+            "head_groups": set()}
     unique = {id(report): report for report in reports}.values()   # published after each stage
     for record in (r for report in unique for r in report.passes):
         if record.name == "attention_2d":
             done["attention_rewritten"] += len(record.summary["changed"])
             done["attention_kept"] += [k["reason"] for k in record.summary["kept"]]
+            done["head_groups"] |= {c["head_groups"] for c in record.summary["changed"]}
         elif record.name == "selective_checkpoint":
             done["recompute_tags"] += record.summary["changed"]["prefer_recompute"]
         elif record.name == "offload":
@@ -139,6 +141,7 @@ def work_done(reports: list) -> dict:
             done["memory_plan"].append(record.summary["status"])
         elif record.name == "token_tiling":
             done["tiled_regions"] += len(record.summary["changed"])
+    done["head_groups"] = sorted(done["head_groups"])
     return done
 
 

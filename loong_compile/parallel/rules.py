@@ -98,6 +98,28 @@ def head_violation(heads: int, kv_heads: int, hp: int) -> Violation | None:
     return None
 
 
+def head_group_choices(heads: int, kv_heads: int, hp: int) -> list[int]:
+    """The head group counts 2D-Attention takes (ops/attention/head_groups.py): they divide
+    the query heads a rank holds after the all-to-all, and divide its KV heads (after the
+    replication of LoongTrain §4.2) or are a multiple of them, so that each group keeps whole
+    KV heads or shares one."""
+    local_q, local_kv = heads // hp, max(kv_heads, hp) // hp
+    return [g for g in range(1, local_q + 1)
+            if local_q % g == 0 and (local_kv % g == 0 or g % local_kv == 0)]
+
+
+def head_group_violation(heads: int, kv_heads: int, hp: int, groups: int) -> Violation | None:
+    """``groups`` must be one of ``head_group_choices`` (``kv_heads``: before replication)."""
+    choices = head_group_choices(heads, kv_heads, hp)
+    if groups in choices:
+        return None
+    return Violation(f"head_groups={groups} with {heads} query and {kv_heads} KV heads at "
+                     f"hp={hp} ({heads // hp} query and {max(kv_heads, hp) // hp} KV heads a rank)",
+                     "head groups divide the query heads a rank holds, and divide its KV heads "
+                     "or are a multiple of them (each group keeps whole KV heads, or shares one)",
+                     f"use head_groups in {choices}")
+
+
 def rank_of(dp_i: int, cp_i: int, hp_i: int, cp: int, hp: int, placement: str) -> int:
     """Global rank at mesh coordinate ``(dp_i, cp_i, hp_i)`` (LoongTrain §4.4)."""
     if placement == "head_first":

@@ -12,7 +12,11 @@ stage:    dynamo (torch IR, before AOTAutograd)
 applies:  always.  At ``hp = cp = 1`` (one rank holds the whole sequence) only to the calls with
           an ``attn_mask``, each rewritten when its mask is proven (the S×S mask transformers
           builds under ``torch.compile`` then dies) and kept as it is otherwise: nothing is
-          refused on one rank, where every call already computes what one process does.
+          refused on one rank, where every call already computes what one process does (but an
+          option that does not fit the model: ``head_groups``, ``LoongConfigError``).  A call
+          without a mask stays transformers' SDPA there, ``head_groups`` or not: 2D-Attention's
+          op in its place peaked higher (one process, ``benchmarks/longest_sequence.py --at
+          8192 --head-groups 2``: 59.9 against 49.6 MiB under full with tiles).
 matches:  ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
           enable_gqa)``, ``ops.attention.sinks.sdpa_with_sinks`` (its ``sinks`` passed on) and
           flash-attn's ``flash_attn_func`` (as Dynamo traces it: its autograd.Function around
@@ -62,7 +66,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from loong_compile.errors import LoongError, LoongTokenMixingError
+from loong_compile.errors import LoongConfigError, LoongError, LoongTokenMixingError
 from loong_compile.ops import attention_2d
 from loong_compile.parallel.mesh import one_process_mesh
 from loong_compile.passes.attention import input_roles, mask_policy, model_facts
@@ -143,6 +147,8 @@ def _on_one_rank(scope: Scope, node: torch.fx.Node, ctx: PassContext, mesh: Any,
     rewrite made unused (document ids, a cast); AOTAutograd drops them."""
     try:
         return _rewrite(scope, node, ctx, mesh, root, prover, documents, autocast)
+    except LoongConfigError:   # an option that does not fit the model (head_groups): refused
+        raise
     except LoongError as e:
         return {"kept": node.name, "source": source_line(node), "module": module_path(node),
                 "reason": str(e)}
@@ -159,8 +165,11 @@ def _rewrite(scope: Scope, node: torch.fx.Node, ctx: PassContext, mesh: Any,
     sp = ctx.config.sp
     sizes = mask_policy.extent(node, root, causal, call.tokens, sp, meaning)
     mask_kwargs = mask_policy.mask_keywords(call, meaning, sizes, documents, scope, sp, causal)
-    written = write_attention(scope.module.graph, call, causal, scale, mesh.attention_kwargs(),
-                              mask_kwargs, autocast)
+    mesh_kwargs = mesh.attention_kwargs()
+    if ctx.config.head_groups > 1:
+        mesh_kwargs["head_groups"] = ctx.config.head_groups
+    written = write_attention(scope.module.graph, call, causal, scale, mesh_kwargs, mask_kwargs,
+                              autocast)
     return _record(call, written, meaning, sizes, specialised, ctx)
 
 
@@ -188,7 +197,7 @@ def _record(call: AttentionCall, written: Written, meaning: MaskMeaning | None,
         "autocast_dtype": (None if written.cast_to is None
                            else str(written.cast_to).removeprefix("torch.")),
         "hp": ctx.config.hp, "cp": ctx.config.cp, "inner_ring": ctx.config.inner_ring,
-        "placement": ctx.config.placement,
+        "placement": ctx.config.placement, "head_groups": ctx.config.head_groups,
     }
 
 

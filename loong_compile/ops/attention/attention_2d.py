@@ -14,6 +14,9 @@ output has it):
    ``document_ids`` / ``window``, the masked direct exchange (ops/attention/masked.py).
 4. SeqAlltoAll back: ``out`` to ``(B, H, S/sp, D_v)``.
 
+With ``head_groups = G > 1`` steps 2-4 run for one group of ``H / G`` heads at a time
+(ops/attention/head_groups.py), so that one group's attention working set is live at once.
+
 Everything is a traceable op (custom ops with fake kernels and autograd), so
 a model calling this stays one graph under ``torch.compile(fullgraph=True)``.
 """
@@ -26,9 +29,11 @@ import torch
 from torch import Tensor
 
 from loong_compile.parallel.tokens import check_sequence_length
-from loong_compile.errors import LoongMeshError, LoongShapeError
-from loong_compile.parallel.rules import head_violation, inner_ring_violation
+from loong_compile.errors import LoongConfigError, LoongMeshError, LoongShapeError
+from loong_compile.parallel.rules import (head_group_violation, head_violation,
+                                          inner_ring_violation)
 from loong_compile.ops.attention.alltoall import seq_all_to_all
+from loong_compile.ops.attention.head_groups import head_group_parts, join_heads
 from loong_compile.ops.attention.masked import masked_attention_fwd
 from loong_compile.ops.masks.step import masked_attention_plan
 from loong_compile.ops.attention.ring import ring_attention_fwd
@@ -39,7 +44,8 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: flo
                  kv_inner_group: str = "", kv_outer_group: str = "", dkv_inner_group: str = "",
                  dkv_outer_group: str = "", return_lse: bool = False, enable_gqa: bool = True,
                  document_ids: Tensor | None = None, window: int | None = None,
-                 mask_plan: Tensor | None = None, sinks: Tensor | None = None):
+                 mask_plan: Tensor | None = None, sinks: Tensor | None = None,
+                 head_groups: int = 1):
     """Distributed exact attention of this rank's tokens; ``(B, H, S/sp, D_v)``: q's batch,
     heads and tokens, v's head dim.
 
@@ -65,12 +71,17 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: flo
     value (gpt-oss's attention sinks, ops/attention/sinks.py), counted once per query across every KV
     block and rank; it gets its gradient.
 
+    ``head_groups``: run the all-to-all, the ring and the all-to-all back for that many groups of
+    heads one after the other (ops/attention/head_groups.py); it divides the query heads a rank
+    holds after the all-to-all, and divides its KV heads or is a multiple of them.
+
     ``return_lse=True`` also returns the log-sum-exp per query row,
     ``(B, H, S/sp)`` in float32 (float64 for float64 inputs), not differentiable.
     Raises ``LoongShapeError`` / ``LoongMeshError`` before any collective; the
     checks use only local shapes and mesh sizes, so every rank raises alike.
     """
-    check_attention_inputs(q, k, v, hp=hp, cp=cp, inner_ring=inner_ring, enable_gqa=enable_gqa)
+    check_attention_inputs(q, k, v, hp=hp, cp=cp, inner_ring=inner_ring, enable_gqa=enable_gqa,
+                           head_groups=head_groups)
     ring_groups = (kv_inner_group, kv_outer_group, dkv_inner_group, dkv_outer_group)
     check_group_names(hp, cp, inner_ring, hp_group, ring_groups)
     seq_len = q.size(2) * hp * cp
@@ -86,33 +97,45 @@ def attention_2d(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: flo
     if sinks is not None:  # per query row, so that the rows take their heads' sinks along
         check_sinks(sinks, q)
         rows = sinks.view(1, -1, 1, 1).expand(q.size(0), -1, q.size(2), 1)
-    if hp > 1:
-        q, k, v = seq_all_to_all([q, k, v], 1, 2, hp, hp_group)
-        if rows is not None:
-            (rows,) = seq_all_to_all([rows], 1, 2, hp, hp_group)
-    if rows is not None:
-        rows = rows.squeeze(-1)
-    if document_ids is None and window is None:
-        out, lse = ring_attention_fwd(q, k, v, is_causal, scale, cp, inner_ring, *ring_groups,
+    if document_ids is not None:
+        document_ids = document_ids.to(torch.int64)
+    if (document_ids is not None or window is not None) and mask_plan is None:
+        mask_plan = masked_attention_plan(document_ids, seq_len, is_causal, window or 0, cp,
+                                          dkv_outer_group)
+
+    def attend(q, k, v, rows):   # one group of heads, in CP layout
+        if document_ids is None and window is None:
+            return ring_attention_fwd(q, k, v, is_causal, scale, cp, inner_ring, *ring_groups,
                                       rows)
-    else:
-        if document_ids is not None:
-            document_ids = document_ids.to(torch.int64)
-        if mask_plan is None:
-            mask_plan = masked_attention_plan(document_ids, seq_len, is_causal, window or 0, cp,
-                                              dkv_outer_group)
-        out, lse = masked_attention_fwd(q, k, v, document_ids, mask_plan, is_causal,
-                                        window or 0, scale, cp, dkv_outer_group, rows)
-    if hp > 1:
-        (out,) = seq_all_to_all([out], 2, 1, hp, hp_group)
-        if return_lse:
-            (lse,) = seq_all_to_all([lse.unsqueeze(-1)], 2, 1, hp, hp_group)
-            lse = lse.squeeze(-1)
+        return masked_attention_fwd(q, k, v, document_ids, mask_plan, is_causal, window or 0,
+                                    scale, cp, dkv_outer_group, rows)
+
+    groups = head_group_parts(q, k, v, rows, hp, head_groups)
+    outs, lses = [], []
+    for q_part, kv_parts, row_part in groups:
+        sent = [q_part, *([] if row_part is None else [row_part]), *kv_parts]
+        if hp > 1:
+            sent = seq_all_to_all(sent, 1, 2, hp, hp_group)
+        if kv_parts:   # the group's K/V (else the previous group's, which it shares)
+            k_here, v_here = sent[-2:]
+        q_here = sent[0]
+        row_here = None if row_part is None else sent[1].squeeze(-1)
+        out, lse = attend(q_here, k_here, v_here, row_here)
+        if hp > 1:
+            (out,) = seq_all_to_all([out], 2, 1, hp, hp_group)
+            if return_lse:
+                (lse,) = seq_all_to_all([lse.unsqueeze(-1)], 2, 1, hp, hp_group)
+                lse = lse.squeeze(-1)
+        outs.append(out)
+        lses.append(lse)
+    if head_groups > 1:
+        out, lse = join_heads(outs, hp), (join_heads(lses, hp) if return_lse else None)
     return (out, lse) if return_lse else out
 
 
 def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, hp: int, cp: int,
-                           inner_ring: int, enable_gqa: bool = True) -> None:
+                           inner_ring: int, enable_gqa: bool = True,
+                           head_groups: int = 1) -> None:
     """Raise ``LoongShapeError`` unless q, k, v fit 2D-Attention on an ``hp × cp`` grid."""
     tensors = {"q": q, "k": k, "v": v}
     for name, t in tensors.items():
@@ -146,6 +169,9 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, hp: int, cp: int,
     violation = head_violation(heads, kv_heads, hp)
     if violation:
         raise LoongShapeError(*violation)
+    violation = head_group_violation(heads, kv_heads, hp, head_groups)
+    if violation:   # the option, not the call: refused on one rank too (passes/attention)
+        raise LoongConfigError(*violation)
     violation = inner_ring_violation(cp, inner_ring)
     if violation:
         raise LoongMeshError(violation.what, violation.rule,

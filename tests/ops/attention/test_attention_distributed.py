@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from helpers import Sections, section_results
 from loong_compile.parallel.tokens import gather_sequence, mesh_token_indices, sequence_divisor, shard_batch
 from loong_compile.errors import LoongError
+from loong_compile.parallel.rules import head_group_choices
 from loong_compile.parallel.mesh import init_mesh
 from loong_compile.ops import attention_2d, comm_counters, reset_comm_counters
 from loong_compile.testing import run_distributed
@@ -28,6 +29,8 @@ pytestmark = pytest.mark.multirank  # spawns gloo ranks (pytest -m 'not multiran
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 BAD_INPUTS = "bad inputs"   # the section after the configs
+HEAD_GROUPS = "head groups"   # sections (HEAD_GROUPS, hp, cp) before it, on 4 ranks
+HEAD_GROUP_MESHES = [(2, 2), (4, 1), (1, 4)]
 BATCH, HEAD_DIM = 2, 40
 
 
@@ -81,6 +84,16 @@ def expected_bytes(hp, cp, heads, kv_heads, seq, dtype, return_lse):
                     "all_to_all": a2a, "all_gather": 0}}
 
 
+def full_inputs(heads, kv_heads, seq, seed):
+    """q, k, v and the output's gradient of the whole sequence, float64."""
+    gen = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(BATCH, heads, seq, HEAD_DIM, generator=gen, dtype=torch.float64)
+               for _ in range(2))
+    k, v = (torch.randn(BATCH, kv_heads, seq, HEAD_DIM, generator=gen, dtype=torch.float64)
+            for _ in range(2))
+    return q, k, v, dout
+
+
 def relative_error(got, want):
     return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()
 
@@ -92,11 +105,7 @@ def _check_config(hp, cp, placement, w, dp=None, float32_non_causal=True):
     index = mesh_token_indices(seq, mesh)
     records = []
     for case, (heads, kv_heads) in head_cases(hp).items():
-        gen = torch.Generator().manual_seed(1000 * heads + kv_heads)
-        q, dout = (torch.randn(BATCH, heads, seq, HEAD_DIM, generator=gen, dtype=torch.float64)
-                   for _ in range(2))
-        k, v = (torch.randn(BATCH, kv_heads, seq, HEAD_DIM, generator=gen, dtype=torch.float64)
-                for _ in range(2))
+        q, k, v, dout = full_inputs(heads, kv_heads, seq, seed=1000 * heads + kv_heads)
         for is_causal in (True, False):
             want = reference(q, k, v, dout, is_causal)
             float32 = is_causal or float32_non_causal
@@ -121,6 +130,37 @@ def _check_config(hp, cp, placement, w, dp=None, float32_non_causal=True):
     full = gather_sequence(out.detach(), mesh, dim=2)
     records.append((f"hp={hp} cp={cp} {placement} w={w} gather_sequence", dtype,
                     {"gathered out": relative_error(full, want[0])}, None, None))
+    return records
+
+
+def _check_head_groups(hp, cp):
+    """Causal float64 2D-Attention with every allowed head group count against one process; the
+    all-to-all bytes as without groups (a shared KV head is exchanged once), the ring's KV bytes
+    times the groups that share a KV head."""
+    mesh = init_mesh(hp=hp, cp=cp)
+    seq = 3 * sequence_divisor(cp, hp)
+    index = mesh_token_indices(seq, mesh)
+    records = []
+    for case, (heads, kv_heads) in head_cases(hp).items():
+        q, k, v, dout = full_inputs(heads, kv_heads, seq, seed=7 * heads + kv_heads)
+        want = reference(q, k, v, dout, True)
+        for groups in head_group_choices(heads, kv_heads, hp)[1:]:   # every count but 1
+            local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+            reset_comm_counters()
+            out, lse = attention_2d(*local, is_causal=True, return_lse=True, head_groups=groups,
+                                    **mesh.attention_kwargs())
+            grads = torch.autograd.grad(out, local, dout[:, :, index])
+            sent = comm_counters()
+            errors = dict(zip(("out", "lse", "dq", "dk", "dv"),
+                              (relative_error(g, r[:, :, index])
+                               for g, r in zip((out, lse, *grads), want))))
+            plain = expected_bytes(hp, cp, heads, kv_heads, seq, torch.float64, True)
+            share = max(1, groups // (max(kv_heads, hp) // hp))
+            expected = {"all_to_all": plain["fwd"]["all_to_all"] + plain["bwd"]["all_to_all"],
+                        "p2p": share * (plain["fwd"]["p2p"] + plain["bwd"]["p2p"])}
+            records.append((f"hp={hp} cp={cp} {case} H={heads} Hkv={kv_heads} groups={groups}",
+                            errors, {kind: sent[kind] for kind in expected}, expected,
+                            out.stride()))
     return records
 
 
@@ -156,6 +196,8 @@ def _bad_inputs(world):
         attempt("world % hp*cp", lambda: init_mesh(hp=3, cp=1)),
         attempt("dp*hp*cp != world", lambda: init_mesh(hp=2, cp=2, dp=2)),
         attempt("kwargs of another mesh", attention({**hp4, "hp": 2, "cp": 2}, 4, 4, 4)),
+        attempt("head groups split a KV head", attention({**hp2cp2, "head_groups": 3}, 12, 4,
+                                                         4)),
     ]
     # the ranks are still in step: a collective issued by one rank only would hang here
     dist.barrier()
@@ -168,13 +210,16 @@ def _suite(rank, world, configs, with_bad_inputs, float32_non_causal):
     for config in configs:
         sections.run(config, functools.partial(_check_config, float32_non_causal=float32_non_causal), *config)
     if with_bad_inputs:
+        for hp, cp in HEAD_GROUP_MESHES:
+            sections.run((HEAD_GROUPS, hp, cp), _check_head_groups, hp, cp)
         sections.run(BAD_INPUTS, _bad_inputs, world)
     return sections.results
 
 
 def _records(results) -> list[list]:
     """Per rank, the records of every config section (fails on a section that raised)."""
-    per_config = [section_results(results, key) for key in results[0] if key != BAD_INPUTS]
+    per_config = [section_results(results, key) for key in results[0]
+                  if key != BAD_INPUTS and key[0] != HEAD_GROUPS]
     return [[r for values in per_config for r in values[rank]] for rank in range(len(results))]
 
 
@@ -227,12 +272,28 @@ def test_bad_inputs_raise_on_every_rank(four_ranks):
                 "seq % 2*cp*hp": "LoongShapeError", "shard_batch seq": "LoongShapeError",
                 "dtype mismatch": "LoongShapeError", "device mismatch": "LoongShapeError",
                 "inner ring % cp": "LoongMeshError", "world % hp*cp": "LoongMeshError",
-                "dp*hp*cp != world": "LoongMeshError", "kwargs of another mesh": "LoongMeshError"}
+                "dp*hp*cp != world": "LoongMeshError", "kwargs of another mesh": "LoongMeshError",
+                "head groups split a KV head": "LoongConfigError"}
     assert {name: error for name, error, _ in per_rank[0]} == expected
     for rank_results in per_rank[1:]:  # identical on every rank
         assert [(n, e) for n, e, _ in rank_results] == [(n, e) for n, e, _ in per_rank[0]]
     for _, _, message in per_rank[0]:
         assert "rule:" in message and "fix:" in message
+
+
+@pytest.mark.slow
+def test_head_groups_match_sdpa_and_exchange_a_shared_kv_head_once(four_ranks):
+    for hp, cp in HEAD_GROUP_MESHES:
+        per_rank = section_results(four_ranks, (HEAD_GROUPS, hp, cp))
+        # hp=2: 3 query heads a rank (groups 3); hp=4: 3 with a 1-3 KV heads (3); hp=1: 6 (2, 3, 6)
+        assert len(per_rank[0]) >= 3, per_rank[0]
+        for records in per_rank:
+            for label, errors, sent, expected, stride in records:
+                worst = max(errors, key=errors.get)
+                assert errors[worst] <= TOLERANCE[torch.float64], f"{label}: {worst} {errors}"
+                assert sent == expected, f"{label}: sent {sent}, expected {expected}"
+                # token-major: the output projection's transpose reads it as is
+                assert stride[1] == HEAD_DIM, f"{label}: out strides {stride}"
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loong_compile import LoongConfig, LoongUnsupportedError
+from loong_compile import LoongConfig, LoongConfigError, LoongUnsupportedError
 from loong_compile.ops import attention_2d
 from loong_compile.passes.attention.attention_2d import Attention2DPass, balanced_exact
 from loong_compile.passes.base import PassContext
@@ -424,6 +424,29 @@ def test_one_rank_rewrites_the_masks_it_proves_and_keeps_every_other_call():
     assert "neither position_ids nor the 2-D attention_mask" in kept["reason"]
     assert len([n for n in gm.graph.nodes if n.target is torch._C._nn.scaled_dot_product_attention
                 or n.target is F.scaled_dot_product_attention]) == 2
+
+
+def test_one_rank_with_head_groups_groups_the_calls_it_rewrites():
+    """hp = cp = 1 with head_groups (issue 52): a call whose mask the pass rewrites runs its
+    heads a group at a time and the report says so; a call without a mask stays SDPA; a count
+    that splits a KV head's query heads is the option's error, refused on one rank too."""
+    masked_call = hf_masked_attention("create_causal_mask")
+    ctx = PassContext(config=LoongConfig(head_groups=2), mesh=None)
+    gm = dynamo_graph(masked_call, *qkv(kv_heads=H), POSITIONS, attention_mask=PADDING)
+    summary = Attention2DPass().run(gm, ctx)
+    (call,) = calls(gm, attention_2d)
+    assert call.kwargs["head_groups"] == 2 and call.kwargs["hp"] == call.kwargs["cp"] == 1
+    assert summary["changed"][0]["head_groups"] == 2 and not summary["kept"]
+
+    def plain(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    gm = dynamo_graph(plain, *qkv(kv_heads=H))
+    assert not calls(gm, attention_2d) and not Attention2DPass().run(gm, ctx)["matched"]
+    bad = PassContext(config=LoongConfig(head_groups=3), mesh=None)
+    with pytest.raises(LoongConfigError, match=r"head_groups=3 .*fix: use head_groups in \[1, 2, 4\]"):
+        Attention2DPass().run(dynamo_graph(masked_call, *qkv(kv_heads=H), POSITIONS,
+                                           attention_mask=PADDING), bad)
 
 
 def test_the_balanced_order_is_exact_only_where_every_call_reads_documents_causally():
