@@ -53,6 +53,8 @@ def print_longest(longest, model, gpus, hardware, console) -> None:
         c = m.configuration
         with_ = "-" if c is None else (f"{c['activations']}" + (f" a={c['alpha']:g}" if c["activations"] == "memo"
                                                                   else "")
+                                       + (f", head groups {c['head_groups']}" if c["head_groups"] > 1
+                                          else "")
                                        + f", {model_states_label(c['zero'], c['states_on_host'])}")
         table.add_row(str(m.dp), str(m.cp), str(m.hp), f"{m.step:,}", f"{m.longest:,}" if m.longest else "none",
                       with_, "-" if m.estimate_gib is None else f"{m.estimate_gib:.2f}",
@@ -76,7 +78,8 @@ def print_plan(result, seq, args, published, explanation, console) -> None:
         table.add_column(column, justify="left" if column in ("placement", "activations") else "right",
                          no_wrap=True)
     for i, c in enumerate(result.ranked[:args.top], 1):
-        policy = c.activations + (f" a={c.alpha:g}" if c.activations == "memo" else "")
+        policy = (c.activations + (f" a={c.alpha:g}" if c.activations == "memo" else "")
+                  + (f" G={c.config.head_groups}" if c.config.head_groups > 1 else ""))
         table.add_row(str(i), str(c.config.dp), str(c.config.cp), str(c.config.hp), c.placement,
                       str(c.config.inner_ring), policy, c.model_states.removeprefix("ZeRO-"),
                       f"{c.memory.estimate_gib:.1f}",

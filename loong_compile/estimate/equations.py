@@ -44,8 +44,11 @@ n_exp = sp.Symbol("E", nonnegative=True, integer=True)
 chunk = sp.Symbol("C", positive=True, integer=True)
 # Tokens per tile of a tiled MLP (estimate/tiling.py::region_tile, the compiler's rule).
 tile = sp.Symbol("T_tile", positive=True, integer=True)
+# Head groups 2D-Attention runs one after the other (option head_groups,
+# ops/attention/head_groups.py).
+groups = sp.Symbol("G_heads", positive=True, integer=True)
 SYMBOLS = (h, a, k, f, L, v, s, b, d, t, p, c, hp, stage, beta, alpha, n_ring_buffers, hd, psi_t, psi_r,
-           tied, n_exp, chunk, tile)
+           tied, n_exp, chunk, tile, groups)
 
 FIRST_STAGE = sp.KroneckerDelta(stage, 0)
 LAST_STAGE = sp.KroneckerDelta(stage, p - 1)   # at stage 0 this is the paper's delta_{p,1}
@@ -317,11 +320,27 @@ KV_CHUNK_BYTES = _bytes([_TENSOR["key"], _TENSOR["value"]])
 # Size(q) + Size(k) + Size(v) + Size(out): what each GPU's SeqAlltoAll redistributes (4.5.4).
 ALLTOALL_HELD_BYTES = _bytes([_TENSOR[x] for x in ("query", "key", "value", "attention_output")])
 
-# Double-Ring KV buffers (LoongTrain 4.5.5): one of Size(kv) for the inner ring, one more
-# for the outer ring.
-RING_BUFFER_TERM = Term("Double-Ring KV buffers", "buffers", n_ring_buffers * KV_CHUNK_BYTES,
-                        "LoongTrain 4.5.5")
+# Head groups split a rank's K/V heads among them, or share one between several groups: the K/V
+# a group holds is 1/min(G, K/V heads a rank holds) of the rank's (ops/attention/head_groups.py).
+KV_GROUPS = sp.Min(groups, sp.Max(k, t * hp) / (t * hp))
 
+# Double-Ring KV buffers (LoongTrain 4.5.5): one of Size(kv) for the inner ring, one more
+# for the outer ring; one head group's (the groups run one after the other).
+RING_BUFFER_TERM = Term("Double-Ring KV buffers", "buffers", n_ring_buffers * KV_CHUNK_BYTES / KV_GROUPS,
+                        "LoongTrain 4.5.5; one head group's")
+
+# 2D-Attention's backward, while one block's kernel runs (ops/attention/ring.py::ring_backward),
+# for one head group: the group's output gradient after the all-to-all and the kernel's dQ, dK
+# and dV; with d_cp > 1 also the dQ and dK/dV accumulators, in float32 (float64 for float64).
+# The received K/V block is the ring buffer above.  (A kernel expanding K/V for GQA, PyTorch's
+# CUDA flash kernel without flash-attn, holds the group's K/V and dK/dV at its query heads.)
+_RING = sp.Min(c - 1, 1)                              # 1 with a ring (d_cp > 1), else 0
+_ACCUMULATOR = sp.Max(beta, 4)
+ATTENTION_BACKWARD_TERM = Term(
+    "2D-Attention backward (one head group)", "buffers",
+    LOCAL_TOKENS * (a * hd / t / groups * (2 * beta + _RING * _ACCUMULATOR)
+                    + 2 * KV_WIDTH / KV_GROUPS * (beta + _RING * _ACCUMULATOR)),
+    "ops/attention/ring.py: dout, dQ, dK/dV (+ fp32 accumulators with d_cp > 1), one head group")
 
 
 def all_terms(zero: int, policy: str, exact: bool, working_set: bool, alpha_zero: bool,
@@ -335,5 +354,5 @@ def all_terms(zero: int, policy: str, exact: bool, working_set: bool, alpha_zero
                               lm_head_chunked=lm_head_chunked, tiled=tiled,
                               resident_layers=0 if zero == 3 else 2)
     if ring_buffers:
-        terms.append(RING_BUFFER_TERM)
+        terms += [RING_BUFFER_TERM, ATTENTION_BACKWARD_TERM]
     return terms

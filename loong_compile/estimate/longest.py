@@ -107,6 +107,7 @@ def _reach(model, gpus, hardware, mesh, step, search) -> MeshReach:
     if best is None:
         return MeshReach(*mesh, step, 0, None, None, None)
     config, placement, policy, alpha, zero, options, memory = best
-    described = {"placement": placement, "inner_ring": config.inner_ring, "activations": policy,
+    described = {"placement": placement, "inner_ring": config.inner_ring,
+                 "head_groups": config.head_groups, "activations": policy,
                  "alpha": alpha, "zero": zero, "states_on_host": options.states_on_host}
     return MeshReach(*mesh, step, fits * step, described, memory.estimate_gib, memory.host_gib)

@@ -24,7 +24,8 @@ from loong_compile.estimate.lm_head import chunk_tokens
 from loong_compile.estimate.tiling import region_tile
 from loong_compile.estimate.models import ModelSpec
 from loong_compile.parallel.rules import (
-    CATEGORIES, Violation, head_violation, inner_ring_violation, sequence_violation)
+    CATEGORIES, Violation, head_group_violation, head_violation, inner_ring_violation,
+    sequence_violation)
 
 GIB = 2 ** 30
 
@@ -43,6 +44,7 @@ class ParallelConfig:
     hp: int = 1
     micro_batch: int = 1
     inner_ring: int = 1
+    head_groups: int = 1   # attention a group of heads at a time (option head_groups)
     stage: int = 0
     doc_length: int = 0  # mean packed document length (0: one document per sequence)
 
@@ -56,7 +58,8 @@ class ParallelConfig:
 
     def validate(self, model: ModelSpec) -> None:
         """Raise LoongConfigError naming the first value that breaks a divisibility rule."""
-        for name in ("seq", "dp", "tp", "pp", "cp", "hp", "micro_batch", "inner_ring"):
+        for name in ("seq", "dp", "tp", "pp", "cp", "hp", "micro_batch", "inner_ring",
+                     "head_groups"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LoongConfigError(f"{name}={value!r}", f"{name} must be a positive integer",
@@ -89,7 +92,9 @@ class ParallelConfig:
         local_kv = model.kv_heads // self.tp if model.kv_heads % self.tp == 0 else 1
         return (inner_ring_violation(self.cp, self.inner_ring)
                 or sequence_violation(self.seq, self.cp, self.hp)
-                or head_violation(model.heads // self.tp, local_kv, self.hp))
+                or head_violation(model.heads // self.tp, local_kv, self.hp)
+                or head_group_violation(model.heads // self.tp, local_kv, self.hp,
+                                        self.head_groups))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +108,8 @@ class MemoryOptions:
     states_on_host: with ``zero=3``, the shards in host memory and on the device only what
         FSDP2 gathers (``equations.GATHERED_ON_DEVICE``; examples/training.py --fsdp --offload-states).
     exact: also count the tensors eq. 12 leaves out (lse, RMSNorm statistics).
-    double_ring_buffers: count the Double-Ring's KV buffers.
+    double_ring_buffers: count the Double-Ring's KV buffers and 2D-Attention's backward working
+        set (one head group's of each).
     recompute_working_set: count one layer's recomputed tensors (policies that recompute).
     cuda_context_gib, comm_buffers_gib, fragmentation: overheads, reported apart; fragmentation
         is a fraction of the terms' total.
@@ -266,7 +272,7 @@ def symbol_values(model: ModelSpec, config: ParallelConfig, options: MemoryOptio
             config.stage, options.dtype_bytes, options.alpha, ring_buffer_count(config), model.head_dim,
             model.layer_matmul_params, model.norm_params, int(model.tied_embeddings),
             model.experts * model.moe_layers / model.layers, lm_head_chunk(model, config, options),
-            mlp_tile(model, config, options))
+            mlp_tile(model, config, options), config.head_groups)
 
 
 def lm_head_chunk(model: ModelSpec, config: ParallelConfig, options: MemoryOptions) -> int:

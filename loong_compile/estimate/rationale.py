@@ -30,8 +30,9 @@ def step_parts(c: Candidate, layers: int) -> dict[str, float]:
 def _label(c: Candidate) -> str:
     d = c.describe()
     alpha = f" alpha={d['alpha']:g}" if d["activations"] == "memo" else ""
-    return (f"dp={d['dp']} cp={d['cp']} hp={d['hp']} {d['placement']} ring={d['inner_ring']} "
-            f"{d['activations']}{alpha} {c.model_states}")
+    groups = f" head_groups={d['head_groups']}" if d["head_groups"] > 1 else ""
+    return (f"dp={d['dp']} cp={d['cp']} hp={d['hp']} {d['placement']} ring={d['inner_ring']}"
+            f"{groups} {d['activations']}{alpha} {c.model_states}")
 
 
 def _versus(c: Candidate, other: Candidate, name: str, layers: int) -> list[str]:

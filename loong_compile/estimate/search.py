@@ -28,7 +28,8 @@ from loong_compile.estimate.memory import (
 from loong_compile.estimate.models import ModelSpec
 from loong_compile.estimate.step import StepCost, step_cost
 from loong_compile.parallel.rules import (
-    ACTIVATION_POLICIES, PLACEMENTS, divisors, head_violation, sequence_violation,
+    ACTIVATION_POLICIES, PLACEMENTS, divisors, head_group_choices, head_violation,
+    sequence_violation,
 )
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -90,6 +91,8 @@ class Candidate:
         """What to pass as ``torch.compile(..., backend="loong", options=...)``."""
         out = {"hp": self.config.hp, "cp": self.config.cp, "placement": self.placement,
                "inner_ring": self.config.inner_ring, "activations": self.activations}
+        if self.config.head_groups > 1:
+            out["head_groups"] = self.config.head_groups
         if self.activations == "memo":
             out["alpha"] = self.alpha
         return out
@@ -125,7 +128,8 @@ def _described(config: ParallelConfig, placement: str, activations: str, alpha: 
                states_on_host: bool) -> dict:
     """One searched configuration as ``Candidate.describe`` and ``Pruned.config`` give it."""
     return {"dp": config.dp, "cp": config.cp, "hp": config.hp, "placement": placement,
-            "inner_ring": config.inner_ring, "activations": activations, "alpha": alpha, "zero": zero,
+            "inner_ring": config.inner_ring, "head_groups": config.head_groups,
+            "activations": activations, "alpha": alpha, "zero": zero,
             "states_on_host": states_on_host}
 
 
@@ -227,13 +231,20 @@ def screen(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, pru
                 for alpha in alphas if policy == "memo" else (None,):
                     options = dataclasses.replace(base, activations=policy, zero=zero, states_on_host=on_host,
                                                   alpha=1.0 if alpha is None else alpha)
-                    memory = estimate_memory(model, config, options, hardware.memory_gib)
-                    reason = _memory_reason(memory, node_gpus, hardware.host_memory_gib)
+                    # the fewest head groups that fit: more run more rounds of collectives (on
+                    # one GPU none: attention without a mask stays SDPA there, passes/attention)
+                    for groups in (head_group_choices(model.heads, model.kv_heads, config.hp)
+                                   if config.sp > 1 else [1]):
+                        grouped = dataclasses.replace(config, head_groups=groups)
+                        memory = estimate_memory(model, grouped, options, hardware.memory_gib)
+                        reason = _memory_reason(memory, node_gpus, hardware.host_memory_gib)
+                        if not reason:
+                            break
                     if reason:
-                        pruned.append(Pruned(_described(config, placement, policy, alpha, zero, on_host),
+                        pruned.append(Pruned(_described(grouped, placement, policy, alpha, zero, on_host),
                                              reason))
                         continue
-                    yield config, placement, policy, alpha, zero, options, memory
+                    yield grouped, placement, policy, alpha, zero, options, memory
 
 
 def plan(model: ModelSpec, seq: int, gpus: int, hardware: HardwareProfile, *,

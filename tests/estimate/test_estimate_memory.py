@@ -281,6 +281,34 @@ def test_double_ring_buffers():
     assert buffers(1, 8, 1) == 0
 
 
+def test_head_groups_hold_one_groups_attention_backward_and_ring_buffer():
+    """2D-Attention's backward holds one head group's output gradient and kernel dQ, dK/dV
+    (+ the float32 dQ and dK/dV accumulators with a ring), and the ring one group's K/V (issue
+    52): G groups of a rank's query heads, min(G, its KV heads) groups of its K/V."""
+    model, s = load_model("7b-gqa"), 131072          # 32 query heads, 8 KV heads, bf16
+    options = MemoryOptions(double_ring_buffers=True)
+    head_dim = model.hidden // model.heads
+
+    def terms(cp, hp, groups):
+        config = ParallelConfig(seq=s, cp=cp, hp=hp, head_groups=groups)
+        got = estimate_memory(model, config, options).terms
+        return got["2D-Attention backward (one head group)"] * GIB, got["Double-Ring KV buffers"] * GIB
+
+    def expected(cp, hp, query_groups, kv_groups):
+        local = s / (cp * hp)
+        query, kv = model.heads * head_dim, 2 * max(model.kv_heads, hp) * head_dim
+        ring = cp > 1
+        attention = local * (query / query_groups * (2 * 2 + 4 * ring) + kv / kv_groups * (2 + 4 * ring))
+        return attention, 2 * ring * local * kv * 2 / kv_groups   # inner_ring=1: two buffers
+
+    # hp = 2: a rank holds 16 query heads and 4 KV heads; 8 groups share each KV head by two
+    for groups, kv_groups in ((1, 1), (4, 4), (8, 4), (16, 4)):
+        assert terms(2, 2, groups) == pytest.approx(expected(2, 2, groups, kv_groups), rel=1e-12)
+    assert terms(1, 8, 4) == pytest.approx(expected(1, 8, 4, 1), rel=1e-12)   # no ring
+    with pytest.raises(LoongConfigError, match=r"head_groups=3 .* use head_groups in \[1, 2, 4, 8, 16\]"):
+        estimate_memory(model, ParallelConfig(seq=s, cp=2, hp=2, head_groups=3), options)
+
+
 def test_switches_off_reduce_to_the_paper():
     config = ParallelConfig(seq=8192, dp=4, tp=2, cp=2)
     paper = estimate_memory(LLAMA31_8B, config)
