@@ -5,12 +5,15 @@ checkpointing and DeepSpeed's ALST (``alst.py``), on one process and on 4 ranks.
     pip install deepspeed
     python benchmarks/longest_sequence.py --side-by-side --model tiny-1b \
         --config num_attention_heads=4 num_key_value_heads=1 head_dim=32 \
-        --cap-mib 64 --start 512 --limit 65536 --tile-tokens 512
+        --cap-mib 64 --start 512 --limit 65536 --tile-tokens 512 --head-groups 2
 
 Each (variant, hp, cp) of ``SIDE_BY_SIDE`` runs ``longest_sequence.py`` in a process of its own
 (``torchrun`` for 4 ranks), so that ALST's patches of transformers stay in its process and each
 peak is the variant's own; every rank's peak must stay under the cap.  On 4 ranks ``loong`` runs
-2D-Attention at hp=2 x cp=2 and ALST Ulysses over the 4.  Plain Inductor splits no sequence:
+2D-Attention at hp=2 x cp=2 and ALST Ulysses over the 4; ``--head-groups`` is ``loong``'s option
+(attention a group of heads at a time) for the 4-rank rows: on one process it would replace
+transformers' SDPA, which ``loong`` leaves as it is there, with 2D-Attention's op (``sc++`` +
+tiles then peaked higher: 5,632 tokens against 8,704, 2026-12-02).  Plain Inductor splits no sequence:
 on many ranks each holds all of it, so its longest there is its one-process figure (not re-run).
 Ranks compile with one Inductor compile thread, as the test suite's do (4 ranks share 2 cores).
 A run killed while Inductor writes a kernel leaves an empty ``.so`` in its cache, which every
@@ -57,6 +60,9 @@ def side_by_side(argv: list[str], args) -> list[dict]:
 
 def _run(argv: list[str], variant: str, hp: int, cp: int) -> dict:
     own = [a for a in argv if a != "--side-by-side"]
+    if hp * cp == 1 and "--head-groups" in own:   # on many ranks only (the module's docstring)
+        at = own.index("--head-groups")
+        own = own[:at] + own[at + 2:]
     command = [sys.executable, SCRIPT, *own, "--variants", variant, "--no-rerun",
                "--hp", str(hp), "--cp", str(cp)]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
