@@ -80,7 +80,8 @@ def _fsdp_example_losses_and_states(rank, world, argv):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("offload", [[], ["--offload-states", "--activations", "full_offload"]],
+@pytest.mark.parametrize("offload", [[], ["--offload-states", "--activations", "full_offload",
+                                          "--head-groups", "2"]],
                          ids=["states_on_device", "states_on_host_inputs_on_host"])
 def test_fsdp2_on_four_ranks_equals_one_process(monkeypatch, tmp_path, offload):
     """--fsdp: parameters, gradients and optimizer states sharded over dp x cp x hp = 4 ranks;
@@ -88,8 +89,9 @@ def test_fsdp2_on_four_ranks_equals_one_process(monkeypatch, tmp_path, offload):
     every tile, recomputed in the backward after FSDP2 gathered them again).  With
     --offload-states the sharded states are on the host (CPUOffloadPolicy) and the optimizer
     steps there; on CPU its copies are no-ops, and the losses are exact all the same.  With
-    them, ``full_offload`` (the planner's longest-sequence rows): each block, compiled on its
-    own, keeps its input alone and puts it on the host."""
+    them, ``full_offload`` and head groups (the planner's longest-sequence rows, their launch
+    line in small): each block, compiled on its own, keeps its input alone and puts it on the
+    host, and runs its attention two groups of heads at a time."""
     monkeypatch.setenv("LOONG_TILE_TOKENS", "16")   # the ranks it spawns inherit it
     argv = [*SMALL, "--steps", "4", "--lowering", "aot_eager"]
     reference = run_distributed(_example_losses, 1, argv, timeout=600)[0]
@@ -114,6 +116,8 @@ def test_fsdp2_on_four_ranks_equals_one_process(monkeypatch, tmp_path, offload):
             assert row["input"]["count"] == 1 and row["attention"]["count"] == row["other"]["count"] == 0, row
             offload = _summary(blocks[0], "offload")
             assert offload["host_bytes"] == row["input"]["bytes"] > 0 and offload["device_bytes"] == 0, offload
+            (attention,) = _summary(blocks[0], "attention_2d")["changed"]
+            assert attention["head_groups"] == 2, attention
 
 
 def _reports(rank_dir: Path) -> list[dict]:
