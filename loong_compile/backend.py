@@ -220,7 +220,7 @@ class _GraphCompile:
             return
         rank_check.check_agreement(
             "compile", rank_check.compile_fingerprint(self.config.to_dict(), self.gm, collectives),
-            self.config.rank_check_timeout, ranks=self.mesh.sp_ranks)
+            self.config.rank_check_timeout, ranks=self.mesh.sp_ranks, per_compile=True)
         if self._shares_lowerings():
             self._sharing = shared_lowering.SharedLowering.start(
                 rank_check.current_compile(), self.mesh.sp_ranks, self.mesh.rank,

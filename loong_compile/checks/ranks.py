@@ -98,12 +98,15 @@ def _waiting_key(index: int, rank: int) -> str:
 
 
 def check_agreement(topic: str, mine: dict[str, Any], timeout: float,
-                    ranks: Sequence[int] | None = None) -> None:
+                    ranks: Sequence[int] | None = None, per_compile: bool = False) -> None:
     """Raise ``LoongRankMismatchError`` on every rank of ``ranks`` (default: the world) unless
     they all publish the same ``mine`` within ``timeout`` seconds.
 
     ``topic`` names what is compared ("mesh", "compile"); each call is one round of it
     within that set of ranks, so those ranks must make the same calls in the same order.
+    ``per_compile``: the round is the compile this rank is in (one check per compile), so a
+    rank late to it never meets a peer's check of the next compile, which gave up on this
+    one (and published why, which the late rank reads and names).
     """
     store, rank = _store_and_rank()
     if store is None:
@@ -112,8 +115,9 @@ def check_agreement(topic: str, mine: dict[str, Any], timeout: float,
     if len(ranks) == 1:
         return
     members = hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:16]
-    round_ = _rounds[topic, members]
-    _rounds[topic, members] += 1
+    counted = not (per_compile and _current_compile is not None)
+    round_ = _rounds[topic, members] if counted else _current_compile
+    _rounds[topic, members] += counted
     prefix = f"loong_compile/{topic}/{members}/{round_}/"
     store.set(prefix + str(rank), _dumps(mine))
     try:
@@ -122,7 +126,7 @@ def check_agreement(topic: str, mine: dict[str, Any], timeout: float,
         # a peer refused, or waits in another check, and will never enter this round: leave it
         # as if this rank had not either, so the ranks' rounds stay in step for the next compile
         store.delete_key(prefix + str(rank))
-        _rounds[topic, members] -= 1
+        _rounds[topic, members] -= counted
         raise
     except Exception:  # noqa: BLE001 - a store timeout: some rank never got here
         missing = [r for r in ranks if not store.check([prefix + str(r)])]

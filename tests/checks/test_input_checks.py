@@ -155,12 +155,21 @@ def disagreeing(rank: int, world: int) -> dict:
     x = _ids(1, SEQ // 2)
     attempt("options_differ", lambda: _compiled(options)(x, position_ids=torch.arange(SEQ // 2)[None]))
     # a mesh both built; options that differ by rank: rank 0's is cached, rank 1's is not,
-    # so they never meet in one round and each waits for the other
+    # so they never meet in one round and each sees the other wait (a timeout far beyond the
+    # test's: neither may wait it out, however long rank 0 takes to reach its check)
     mesh = lc.init_mesh(hp=2)
     shard = lc.shard_batch(_ids(1, SEQ), None, mesh)
-    options = {"lowering": "eager", "rank_check_timeout": RANK_CHECK_TIMEOUT, "hp": 2 - rank, "cp": 1 + rank}
-    attempt("cached_mesh_differs", lambda: _compiled(options)(
+    differing = {"lowering": "eager", "hp": 2 - rank, "cp": 1 + rank}
+    attempt("cached_mesh_differs", lambda: _compiled({**differing, "rank_check_timeout": 120})(
         shard.input_ids, position_ids=shard.position_ids))
+    # the same, rank 0 late: rank 1 gives up on this compile after its timeout and goes on to
+    # the next; rank 0 then names rank 1's reason instead of meeting rank 1's next compile
+    def late():
+        if rank == 0:
+            time.sleep(RANK_CHECK_TIMEOUT + 2)
+        return _compiled({**differing, "rank_check_timeout": RANK_CHECK_TIMEOUT})(
+            shard.input_ids, position_ids=shard.position_ids)
+    attempt("late_rank_gave_up", late)
     # issue 23 obs 3: rank 0 refuses its graph (no position_ids: the model's arange) before the
     # compile check; rank 1 compiles and waits there, with a timeout far beyond the test's
     options = {"hp": 2, "lowering": "eager", "rank_check_timeout": 120}
@@ -236,8 +245,14 @@ DISAGREEMENTS = {
     "cached_mesh_differs": ["check of the same compile",
                             "options: cp=1 on ranks [0], cp=2 on ranks [1]",
                             "hp=2 on ranks [0], hp=1 on ranks [1]"],
+    # rank 1 waits out its 3 s; rank 0, late, reads why rank 1 gave up on this compile
+    "late_rank_gave_up": ["did not within 3 s", "options: cp=1 on ranks [0], cp=2 on ranks [1]"],
 }
-WAITED_AT_ONCE = {"cached_mesh_differs": 10.0}
+LATE_RANK_NOTICE = {0: "rank 1 refused this compile: LoongRankMismatchError: rank 1 reached mesh #",
+                    1: "rank 1 reached mesh #"}
+# seconds each scenario may take: a few timeouts' worth (rank 0 arrives late in the last),
+# far below the 120 s that cached_mesh_differs would wait out
+WAITED_AT_ONCE = {"cached_mesh_differs": 30.0, "late_rank_gave_up": 30.0}
 
 
 @pytest.mark.slow
@@ -249,6 +264,8 @@ def test_ranks_that_disagree_on_the_mesh_name_the_difference_within_the_timeout(
         assert message.startswith("LoongRankMismatchError:"), (rank, message)
         for fragment in DISAGREEMENTS[scenario]:
             assert fragment in message, (rank, fragment, message)
+        if scenario == "late_rank_gave_up":
+            assert LATE_RANK_NOTICE[rank] in message, (rank, message)
         assert timed[scenario] < WAITED_AT_ONCE.get(scenario, 3 * RANK_CHECK_TIMEOUT), \
             (rank, timed[scenario])
 
