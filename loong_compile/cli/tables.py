@@ -51,10 +51,7 @@ def print_longest(longest, model, gpus, hardware, console) -> None:
     node_gpus = hardware.gpus_in_node(gpus)
     for m in longest.meshes:
         c = m.configuration
-        with_ = "-" if c is None else (f"{c['activations']}" + (f" a={c['alpha']:g}" if c["activations"] == "memo"
-                                                                  else "")
-                                       + (f", head groups {c['head_groups']}" if c["head_groups"] > 1
-                                          else "")
+        with_ = "-" if c is None else (policy_label(c["activations"], c["alpha"], c["head_groups"])
                                        + f", {model_states_label(c['zero'], c['states_on_host'])}")
         table.add_row(str(m.dp), str(m.cp), str(m.hp), f"{m.step:,}", f"{m.longest:,}" if m.longest else "none",
                       with_, "-" if m.estimate_gib is None else f"{m.estimate_gib:.2f}",
@@ -68,6 +65,12 @@ def print_longest(longest, model, gpus, hardware, console) -> None:
                   "one step more on its mesh does not fit. The configurations at that length:")
 
 
+def policy_label(activations: str, alpha: float, head_groups: int) -> str:
+    """How both tables name a configuration's policy: ``"memo a=0, head groups 4"``."""
+    return (activations + (f" a={alpha:g}" if activations == "memo" else "")
+            + (f", head groups {head_groups}" if head_groups > 1 else ""))
+
+
 def print_plan(result, seq, args, published, explanation, console) -> None:
     hardware, model = result.hardware, result.model
     table = Table(title=f"{model.name}, seq {seq}, {args.gpus} x {hardware.name} "
@@ -78,8 +81,7 @@ def print_plan(result, seq, args, published, explanation, console) -> None:
         table.add_column(column, justify="left" if column in ("placement", "activations") else "right",
                          no_wrap=True)
     for i, c in enumerate(result.ranked[:args.top], 1):
-        policy = (c.activations + (f" a={c.alpha:g}" if c.activations == "memo" else "")
-                  + (f" G={c.config.head_groups}" if c.config.head_groups > 1 else ""))
+        policy = policy_label(c.activations, c.alpha, c.config.head_groups)
         table.add_row(str(i), str(c.config.dp), str(c.config.cp), str(c.config.hp), c.placement,
                       str(c.config.inner_ring), policy, c.model_states.removeprefix("ZeRO-"),
                       f"{c.memory.estimate_gib:.1f}",
