@@ -67,7 +67,8 @@ class Case:
     window: int | None = None
     habit: str = "plain"
     # how the model is compiled: "model" (torch.compile of the whole model), "blocks"
-    # (lc.hf.compile_blocks) or "by_hand" (each decoder layer's .compile(backend=...))
+    # (lc.hf.compile_blocks), "by_hand" (each decoder layer's .compile(backend=...)) or
+    # "holder" (a closure over a trainer calling the model it holds: lambda b: self.model(**b))
     compile: str = "model"
 
     @property

@@ -105,7 +105,8 @@ def _distributed_step(case: Case, hp: int, cp: int, extra_options: dict | None =
 def _compiled(case: Case, model: torch.nn.Module, options: dict, reports: list) -> torch.nn.Module:
     """The case's model compiled as users do (``Case.compile``): whole, block by block with
     ``lc.hf.compile_blocks`` (its reports are not collected: its graphs are compiled through the
-    "loong" string), or each decoder layer by hand, the masks and the loss left outside."""
+    "loong" string), each decoder layer by hand, the masks and the loss left outside, or a
+    trainer's step method calling the model it holds (Dynamo's root is the trainer, no module)."""
     import loong_compile as lc
 
     if case.compile == "blocks":
@@ -115,7 +116,19 @@ def _compiled(case: Case, model: torch.nn.Module, options: dict, reports: list) 
         for layer in model.model.layers:
             layer.compile(backend=backend)
         return model
+    if case.compile == "holder":
+        return torch.compile(_Holder(model).step(), backend=backend)
     return torch.compile(model, backend=backend)
+
+
+class _Holder:
+    """A trainer as users write one: the model an attribute, the step a closure over ``self``."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def step(self):
+        return lambda *args, **kwargs: self.model(*args, **kwargs)
 
 
 def work_done(reports: list) -> dict:
