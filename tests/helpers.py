@@ -379,3 +379,14 @@ def allocated_shapes(code: list[str]) -> list[tuple[int, ...]]:
     """The shape of every buffer Inductor's generated CPU code allocates (``empty_strided_cpu``)."""
     return [tuple(int(d) for d in shape.split(",") if d.strip())
             for source in code for shape in re.findall(r"empty_strided_cpu\(\(([^)]*)\)", source)]
+
+
+class Holder:
+    """A trainer as users write one: the model an attribute, the step a closure over ``self``
+    (``lambda batch: self.model(**batch)``): Dynamo's root is the trainer, which is no module."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def step(self):
+        return lambda *args, **kwargs: self.model(*args, **kwargs)

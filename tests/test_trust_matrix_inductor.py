@@ -107,7 +107,7 @@ POLICY_CASES = {
              Case("llama", habit="grad_ckpt"), Case("gpt_neox", habit="labels_no_position_ids")],
     "memo-alpha0": [Case("qwen2"),
                     Case("gemma3", window=WINDOW_SHARD, habit="packed_use_cache_false")],
-    # a trainer's step method compiled, the model held in the trainer: its modules found
+    # a trainer's closure over the model it holds compiled: its modules found
     # from a root that is no module (labels=: transformers' loss in the graph)
     "memo-alpha1": [Case("granite"), Case("qwen2", habit="padding"), Case("gemma3", attn="eager"),
                     Case("llama", habit="labels", compile="holder")],

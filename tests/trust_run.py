@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from helpers import loong_error_in
+from helpers import Holder, loong_error_in
 from trust_cases import (
     BALANCED, BATCH, LABELS_HABITS, LM_HEAD_CHUNK, SEQ, Case, balance_room, case_model,
     habit_autocast, label_count, packed_documents, padding_mask, precision, seq_len, shifted,
@@ -106,7 +106,7 @@ def _compiled(case: Case, model: torch.nn.Module, options: dict, reports: list) 
     """The case's model compiled as users do (``Case.compile``): whole, block by block with
     ``lc.hf.compile_blocks`` (its reports are not collected: its graphs are compiled through the
     "loong" string), each decoder layer by hand, the masks and the loss left outside, or a
-    trainer's step method calling the model it holds (Dynamo's root is the trainer, no module)."""
+    trainer's closure over the model it holds (``helpers.Holder``)."""
     import loong_compile as lc
 
     if case.compile == "blocks":
@@ -117,18 +117,8 @@ def _compiled(case: Case, model: torch.nn.Module, options: dict, reports: list) 
             layer.compile(backend=backend)
         return model
     if case.compile == "holder":
-        return torch.compile(_Holder(model).step(), backend=backend)
+        return torch.compile(Holder(model).step(), backend=backend)
     return torch.compile(model, backend=backend)
-
-
-class _Holder:
-    """A trainer as users write one: the model an attribute, the step a closure over ``self``."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-
-    def step(self):
-        return lambda *args, **kwargs: self.model(*args, **kwargs)
 
 
 def work_done(reports: list) -> dict:

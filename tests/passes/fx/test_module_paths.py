@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import Holder
 from hf_models import build
 from loong_compile._compat.dynamo import frame_variable
 from loong_compile.passes.attention import model_facts
@@ -164,21 +165,11 @@ def test_users_containers_lead_to_their_modules():
     assert layer_of_paths(["L['self'].plain[1].lin"]) == "plain.1"
 
 
-class _Holder:
-    """A trainer-like object: its step closes over ``self`` and calls ``self.model``."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def step(self):
-        return lambda x: self.model(x)
-
-
 def test_a_step_holding_the_model_in_an_object_leads_to_its_modules():
     """``L['self']`` is no module here (the holder): the paths are followed from it, and the
     compiled module is the model the first path reaches."""
     model = _Containers()
-    entries = _traced(_Holder(model).step(), torch.randn(2, 4))
+    entries = _traced(Holder(model).step(), torch.randn(2, 4))
     assert entries and all("L['self'].model" in path for path, *_ in entries)
     for path, cls, found, root in entries:
         assert type(found) is cls, path
