@@ -43,6 +43,7 @@ from loong_compile.checks import inputs as input_checks
 from loong_compile.checks import ranks as rank_check
 from loong_compile.config import LoongConfig
 from loong_compile.errors import LoongConfigError
+from loong_compile.hf import versions as transformers_versions
 from loong_compile.passes import library_passes, library_source_digest
 from loong_compile.passes.attention.input_roles import BALANCED_EXACT, POSITION_INPUTS
 from loong_compile.passes.attention.made_positions import MADE_POSITIONS
@@ -134,6 +135,7 @@ class _GraphCompile:
         self.report.skipped += [{"name": c.name, "stage": "torch", "reason": c.without}
                                 for c in _compat.degraded()]
         self.active = {stage: [p for p in backend.schedule if p.stage == stage] for stage in STAGES}
+        transformers_versions.warn_if_untested()
 
     # -- running passes -------------------------------------------------------
 

@@ -45,6 +45,7 @@ def library_passes() -> list:
     from loong_compile.passes.attention.made_positions import MadePositionsPass
     from loong_compile.passes.loss.sequence_loss import SequenceLossPass
     from loong_compile.passes.memory_plan.plan_pass import MemoryPlanPass
+    from loong_compile.passes.safety.checkpoint_breaks import CheckpointBreakPass
     from loong_compile.passes.safety.token_locality import TokenLocalityPass
     from loong_compile.passes.scans.causal_conv import CausalConvPass
     from loong_compile.passes.scans.gated_delta import GatedDeltaPass
@@ -57,6 +58,7 @@ def library_passes() -> list:
 
     return [
         # dynamo
+        CheckpointBreakPass(),   # first: a graph cut at checkpointing is refused as it is
         EagerAttentionPass(),
         Attention2DPass(),
         MadePositionsPass(),

@@ -9,6 +9,8 @@ same in every layer.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 VOCAB = 64
@@ -224,6 +226,16 @@ def _falcon_h1(attn, window):
         mamba_d_conv=4, mamba_chunk_size=16))
 
 
+def _bamba(attn, window):
+    # IBM's Bamba: Mamba-2 mixers (the same transformers fallback as Falcon-H1's) with attention on
+    # the layers attn_layer_indices names: a Mamba-2 layer, then an attention layer
+    from transformers import BambaConfig, BambaForCausalLM
+    return BambaForCausalLM(BambaConfig(
+        **_common(attn) | {"num_hidden_layers": 2}, attn_layer_indices=[1], mamba_n_heads=4,
+        mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=16))
+
+
 # Attention that is neither full nor windowed: chunked (Llama 4), with sinks (gpt-oss), with a
 # softcapped score (Gemma 2: refused by name).  Float32 where the experts' grouped_mm needs it.
 def _llama4(attn, window):
@@ -264,7 +276,7 @@ def _lfm2(attn, window):
 
 # token mixers with a state that the scans stage makes exact
 SCAN_ARCHITECTURES = {"lfm2": _lfm2, "qwen3_next": _qwen3_next, "qwen3_5": _qwen3_5,
-                      "falcon_h1": _falcon_h1}
+                      "falcon_h1": _falcon_h1, "bamba": _bamba}
 ATTENTION_VARIANTS = {"llama4": _llama4, "gpt_oss": _gpt_oss, "gemma2": _gemma2}
 WINDOWED = ("qwen2", "qwen3", "mistral", "gemma3", "phi3", "starcoder2", "exaone4", "cohere2")
 
@@ -276,3 +288,21 @@ def build(arch: str, attn: str = "sdpa", window: int | None = None,
     model = (ARCHITECTURES | SCAN_ARCHITECTURES | ATTENTION_VARIANTS)[arch](
         attn, window)
     return model.to(dtype).train()
+
+
+@functools.cache
+def dynamo_traces_checkpointing() -> bool:
+    """Whether Dynamo traces transformers' gradient checkpointing of a layer in one graph, as on
+    transformers <= 5.24 without the kernels package; since 5.25 (which requires it) the hub-kernel
+    wrapper of the attention changes a global inside the checkpointed body, and Dynamo breaks the
+    graph there."""
+    model = build("llama", dtype=torch.float32)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        torch.compile(model, backend="eager", fullgraph=True)(torch.zeros(1, 8, dtype=torch.long),
+                                                              use_cache=False)
+        return True
+    except torch._dynamo.exc.Unsupported:
+        return False
+    finally:
+        torch.compiler.reset()

@@ -49,8 +49,14 @@ graph most:
   gated DeltaNet recurrence with the state exchanged; judged within twice one process's own
   error, its kernel computing in float32) and Falcon-H1 (Mamba-2's convolution and scan beside
   attention in every layer, judged likewise); Qwen3.5 (the same ops as Qwen3-Next, positions on
-  four rotary axes) under none.  At cp = 4: LFM2 and Qwen3-Next, Falcon-H1 and Qwen3.5 with
-  packed documents (the state reset at each document start, judged against each document alone).
+  four rotary axes) and Bamba with packed documents (Mamba-2's ops beside attention on its own
+  layers) under none.  At cp = 4: LFM2, Qwen3-Next and Bamba, Falcon-H1 and Qwen3.5 with packed
+  documents (the state reset at each document start, judged against each document alone).
+- gradient checkpointing by hand (transformers' ``gradient_checkpointing_enable()``): its
+  cells trace it in one graph (``trust_run.traced_checkpoint``: Dynamo's
+  ``skip_fwd_side_effects_in_bwd_under_checkpoint``, which transformers >= 5.25 needs), and
+  ``UNTRACED_CHECKPOINTS`` (Llama, Qwen2, Gemma 3) leave Dynamo to break the graph there:
+  refused on every rank, naming checkpointing and the fix.
 - blocks compiled one by one (issue 51): plain rows, ``labels=``, packed documents, padded rows,
   a window, Gemma 3's two kinds of layer; with ``lc.hf.compile_blocks`` each exact, by hand each
   exact or refused on every rank (``labels=``: transformers' loss, computed outside every graph
@@ -81,6 +87,7 @@ from typing import NamedTuple
 import pytest
 
 from helpers import BUDGET
+from hf_models import dynamo_traces_checkpointing
 from loong_compile.testing import run_each
 from trust_cases import WINDOW_SHARD, Case
 from trust_reference import (INDUCTOR_TOLERANCE, reference, relative_error, tolerance,
@@ -134,7 +141,7 @@ for arch, policies in SCANS.items():
         POLICY_CASES[policy].append(Case(arch))
 # Qwen3.5: the same two ops as Qwen3-Next's (whose cells cover every policy), in a model that
 # expands its positions to four rotary axes
-ONE_POLICY_SCANS = [Case("qwen3_5")]
+ONE_POLICY_SCANS = [Case("qwen3_5"), Case("bamba", habit="packed_use_cache_false")]
 POLICY_CASES["none"] += ONE_POLICY_SCANS
 # issue 51, under none, sc++ and memo: PEFT's LoRA on Llama's attention and MLP projections (the
 # modules reached through PEFT's wrappers, the base frozen)
@@ -223,7 +230,8 @@ HP2_CP2 += TILING_GRID if os.environ.get("TILING_GRID") else []
 # (issue 51: judged against each document alone)
 SCANS_PACKED = [Case("falcon_h1", habit="packed_use_cache_false"),
                 Case("qwen3_5", habit="packed_use_cache_false")]
-CP4 = [Cell("none", c, 1, 4) for c in [Case("lfm2"), Case("qwen3_next"), *SCANS_PACKED]]
+CP4 = [Cell("none", c, 1, 4) for c in [Case("lfm2"), Case("qwen3_next"), Case("bamba"),
+                                       *SCANS_PACKED]]
 # hp = cp = 1 (issue 36): one process holds the whole sequence, and the attention pass replaces
 # every mask it proves (documents, padding, windows, chunks: the S x S mask transformers builds
 # under torch.compile) with 2D-Attention's masked op on one rank.  (the calls at least
@@ -268,6 +276,18 @@ BLOCKS += [Cell(policy, Case(arch, window=window, compile="by_hand"), 2, 2)
 BLOCKS += [Cell("sc++", Case(arch, habit=habit, compile="by_hand"), 2, 2)
            for arch, habit in [("llama", "packed_use_cache_false"), ("qwen2", "padding"),
                                ("llama", "labels")]]
+
+
+# transformers' gradient checkpointing, by hand, where Dynamo cannot trace it in one graph
+# (transformers >= 5.25: the hub-kernel wrapper of the attention changes a global inside the
+# checkpointed body) and the user did not tell it to: Dynamo breaks the graph there and runs the
+# layers eagerly, refused on every rank naming checkpointing and the fix; exact where it traces
+# (the grad_ckpt cells above trace it, as that fix's last option tells)
+UNTRACED_CHECKPOINTS = [Cell("none", Case(arch, habit="grad_ckpt_untraced"), 2, 2)
+                        for arch in ("llama", "qwen2", "gemma3")]
+CHECKPOINT_BREAK = ("LoongUnsupportedError", [
+    "Dynamo broke the graph at torch.utils.checkpoint", "gradient_checkpointing_disable()",
+    "'activations': 'full'", "compile_blocks", "skip_fwd_side_effects_in_bwd_under_checkpoint"])
 
 
 def _options(cell: Cell) -> dict:
@@ -368,3 +388,19 @@ def test_blocks_compiled_one_by_one_are_exact_or_refused_on_every_rank(outcomes,
             outcome[1] == error and all(w in outcome[2] for w in words) for error, words in refusals
         ), f"{cell.case.name} under {cell.policy} on rank {rank}: {outcome}"
 
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(MODULE_TIMEOUT)
+@pytest.mark.parametrize("cell", UNTRACED_CHECKPOINTS, ids=[c.case.name for c in UNTRACED_CHECKPOINTS])
+def test_checkpointing_dynamo_cannot_trace_is_refused_by_name_on_every_rank(outcomes, cell):
+    if dynamo_traces_checkpointing():
+        _exact_under_inductor(outcomes, cell)
+        return
+    result = outcomes[cell]
+    assert not isinstance(result, BaseException), f"{cell.case.name}: {result}"
+    error, words = CHECKPOINT_BREAK
+    for rank, outcome in enumerate(result):
+        assert outcome[0] == "refused" and outcome[1] == error, (rank, outcome)
+        missing = [w for w in words if w not in outcome[2]]
+        assert not missing, f"{cell.case.name} on rank {rank}: message lacks {missing}: {outcome[2]}"

@@ -40,8 +40,9 @@ HABITS_SAMPLED = ("shift_labels", "labels_no_position_ids", "use_cache_false", "
                   "packed_use_cache_false", "bf16", "autocast_bf16", "no_shard_batch",
                   "eval_no_grad")
 SAMPLED_ARCHS = ("llama", "qwen2", "gemma3", "gpt2")
-# the scan models with packed documents: a gated DeltaNet and a Mamba-2 (their convolutions too)
-SCAN_PACKED_ARCHS = ("qwen3_5", "falcon_h1")
+# the scan models with packed documents: the gated DeltaNets and the Mamba-2s (their convolutions
+# too)
+SCAN_PACKED_ARCHS = ("qwen3_5", "qwen3_next", "falcon_h1", "bamba")
 LONG_WINDOW_ARCHS = ("mistral", "gemma3", "qwen3")
 # the router's load-balancing loss (each model's own code: statistics over the whole sequence's
 # routing, refused), and the experts implementations users select besides grouped_mm

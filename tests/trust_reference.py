@@ -11,6 +11,8 @@ import functools
 import importlib
 
 import torch
+import transformers
+from packaging.version import Version
 
 from hf_models import SCAN_ARCHITECTURES
 from helpers import each_document_alone, gated_delta_recurrence, mamba2_recurrence
@@ -21,8 +23,10 @@ from trust_cases import (
 
 # the models that compute in float32 inside a float64 model (Gemma3's norms among them)
 FLOAT32_INSIDE = ("gemma3", "cohere", "cohere2")
-# the eager attention chains whose softmax stays in the model's dtype (the others upcast to float32)
-FLOAT64_SOFTMAX = ("gpt2", "falcon")
+# the eager attention chains whose softmax stays in the model's dtype (the others upcast to float32;
+# Falcon's own chain did until transformers 5.25, which gave it the shared eager attention)
+FLOAT64_SOFTMAX = ("gpt2",) + (("falcon",) if Version(transformers.__version__) < Version("5.25")
+                               else ())
 # Every model here normalises in float32 inside (RMSNorm's upcast); Inductor fuses those float32
 # reductions differently from eager, so float64 models agree to float32 round-off, not float64's
 # (the example Llama: 1.3e-7, with the LM-head pass and without it alike).  A token chunk lost
@@ -95,7 +99,8 @@ def _logits(case: Case, model: torch.nn.Module, ids: torch.Tensor, kwargs: dict)
 # (_float64_kernel).  Each: its transformers module's function, and the exact recurrence.
 EXACT_KERNELS = {"qwen3_next": ("torch_chunk_gated_delta_rule", gated_delta_recurrence),
                  "qwen3_5": ("torch_chunk_gated_delta_rule", gated_delta_recurrence),
-                 "falcon_h1": ("mamba2_chunk_scan", mamba2_recurrence)}
+                 "falcon_h1": ("mamba2_chunk_scan", mamba2_recurrence),
+                 "bamba": ("mamba2_chunk_scan", mamba2_recurrence)}
 
 
 @contextlib.contextmanager

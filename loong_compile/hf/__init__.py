@@ -52,7 +52,10 @@ def parallelize(trainer, hp: int = 1, cp: int = 1, *, pad_to_multiple_of: int | 
             ``per_device_train_batch_size * max_length`` for TRL's packing.
         **options: the backend's options (``LoongConfig``: ``lowering``, ``activations``,
             ``placement``, ``inner_ring``, ...), passed to ``torch.compile(...,
-            backend="loong", options={"hp": hp, "cp": cp, **options})``.
+            backend="loong", options={"hp": hp, "cp": cp, **options})``.  With gradient
+            checkpointing on (``TrainingArguments(gradient_checkpointing=True)``, TRL's
+            default) and no ``activations`` given, the policy is ``full``
+            (``hf/checkpointing.py``: what checkpointing keeps, kept by the backend).
 
     Raises ``LoongConfigError`` for a feature it cannot honour (``refusals``) and
     ``LoongMeshError`` for sizes that do not fit the world, on every rank before anything runs.
@@ -60,6 +63,7 @@ def parallelize(trainer, hp: int = 1, cp: int = 1, *, pad_to_multiple_of: int | 
     import loong_compile as lc
     from loong_compile.config import LoongConfig
     from loong_compile.errors import LoongConfigError
+    from loong_compile.hf.checkpointing import trainer_policy, with_policy
     from loong_compile.hf.refusals import refuse_unsupported
     from loong_compile.hf.trainer import CausalLMLoss, LoongState, LoongTrainerMixin
 
@@ -68,6 +72,7 @@ def parallelize(trainer, hp: int = 1, cp: int = 1, *, pad_to_multiple_of: int | 
     if multiple is not None and (type(multiple) is not int or multiple < 1):
         raise LoongConfigError(f"pad_to_multiple_of={multiple!r}", "a positive token count, or None",
                                "pass e.g. pad_to_multiple_of=256")
+    options = with_policy(options, trainer_policy(trainer))
     config = LoongConfig.from_options({**options, "hp": hp, "cp": cp})   # unknown options refused
     mesh = lc.init_mesh(hp=config.hp, cp=config.cp, placement=config.placement,
                         inner_ring=config.inner_ring)

@@ -19,6 +19,12 @@ nothing can see: the loss is silently wrong).  Here:
   options, so ``labels=`` is shifted over the whole sequence by the ``sequence_loss`` pass; that
   graph holds no attention (``allow_graphs_without_attention``).
 
+- transformers' gradient checkpointing of the blocks (``gradient_checkpointing_enable()``) is
+  taken over (``checkpointing.py``): while the base model's forward runs, the layers' flags are
+  off, and a layer that checkpoints runs the block compiled with ``activations="full"`` (or
+  ``full_offload``, or the options' own policy): what checkpointing keeps, each block's input,
+  kept by the backend.  Layers left out by ``every_n_layers`` run the plain block.
+
 A cache given to a block (transformers' default ``use_cache=True`` in training) is dropped: it is
 for generation.  Masks are deferred only where the base model's module builds them with
 ``masking_utils``' ``create_*mask`` functions; a model that builds them otherwise hands its
@@ -38,6 +44,7 @@ import torch
 from loong_compile._compat.dynamo import recompile_limit_raises
 from loong_compile.config import LoongConfig
 from loong_compile.errors import LoongConfigError
+from loong_compile.hf.checkpointing import TAKEN_OVER, policy_for, taken_over, with_policy
 
 _COMPILED = "_loong_blocks_compiled"
 
@@ -108,16 +115,39 @@ def _is_cache(value: Any) -> bool:
 
 
 class _BlockForward:
-    """A block's ``forward``: the compiled ``_run_block``, without a generation cache."""
+    """A block's ``forward``: the compiled ``_run_block``, without a generation cache; for a
+    layer whose checkpointing the base model's forward took over (``checkpointing.py``), the
+    one compiled with the checkpointing policy."""
 
-    def __init__(self, layer: torch.nn.Module, compiled: Callable):
+    def __init__(self, layer: torch.nn.Module, compiled: _Compiled):
         self.layer = layer
         self.compiled = compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
+        checkpointed = getattr(self.layer, TAKEN_OVER, False) and torch.is_grad_enabled()
         with recompile_limit_raises():
-            return self.compiled(self.layer, args, kwargs)
+            return self.compiled.get(checkpointed)(self.layer, args, kwargs)
+
+
+class _Compiled:
+    """``_run_block`` compiled with the options, and (made at its first use) with the policy
+    transformers' checkpointing of the layers becomes (``checkpointing.policy_for``)."""
+
+    def __init__(self, options: dict[str, Any], base: torch.nn.Module):
+        self.options, self.base = options, base
+        self.plain = torch.compile(_run_block, backend="loong", options=options)
+        self.checkpointed: Callable | None = None
+
+    def get(self, checkpointed: bool) -> Callable:
+        if not checkpointed:
+            return self.plain
+        if self.checkpointed is None:
+            layers = [m for m in self.base.modules() if getattr(m, TAKEN_OVER, False)]
+            options = with_policy(self.options, policy_for(layers))
+            self.checkpointed = (self.plain if options == self.options else
+                                 torch.compile(_run_block, backend="loong", options=options))
+        return self.checkpointed
 
 
 def find_blocks(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
@@ -146,14 +176,14 @@ def compile_blocks(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
     LoongConfig.from_options(options)   # an unknown or invalid option refused now, not at a call
     path, blocks = find_blocks(model)
     base = model.get_submodule(path.rpartition(".")[0])
-    compiled = torch.compile(_run_block, backend="loong", options=options)
+    compiled = _Compiled(options, base)
     for layer in blocks:
         layer.forward = _BlockForward(layer, compiled)
     forward, namespace = base.forward, inspect.unwrap(type(base).forward).__globals__
 
     @torch.compiler.disable(recursive=True)
     def base_forward(*args: Any, **kwargs: Any) -> Any:
-        with _masks_deferred(namespace):
+        with _masks_deferred(namespace), taken_over(base):
             return forward(*args, **kwargs)
 
     base.forward = base_forward

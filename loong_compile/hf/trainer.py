@@ -39,6 +39,7 @@ import torch.distributed as dist
 from loong_compile._compat.dynamo import forward_hooks_named, recompile_limit_raises
 from loong_compile.errors import LoongConfigError, LoongShapeError
 from loong_compile.hf.batches import count_labels, cut_batch
+from loong_compile.hf.checkpointing import taken_over
 from loong_compile.parallel.gradients import reduce_gradients
 
 
@@ -127,7 +128,7 @@ class LoongTrainerMixin:
                                    "returns the loss only (a rank holds its tokens' logits only)",
                                    "ask for the loss alone")
         state = self._loong
-        _drop_no_op_input_grad_hooks(self.model)
+        _drop_input_grad_hooks(self.model)
         if num_items_in_batch is None:
             num_items_in_batch = self._count_labels([inputs], inputs["labels"].device)
         batch = cut_batch(inputs, state.mesh, pad_token_id=state.pad_token_id,
@@ -138,7 +139,9 @@ class LoongTrainerMixin:
         extra = {} if batch.attention_mask is None else {"attention_mask": batch.attention_mask}
         # mixed precision, as Accelerate would wrap the forward; and a frame past Dynamo's
         # recompile limit raises rather than run uncompiled on this rank's tokens alone
-        with self.accelerator.autocast(), recompile_limit_raises():
+        # transformers' checkpointing (the Trainer turns it on when training starts) is the
+        # step's activation policy (parallelize chose it): the layers' flags off for the call
+        with self.accelerator.autocast(), recompile_limit_raises(), taken_over(self.model):
             return state.step(batch.input_ids, batch.position_ids, batch.labels,
                               num_items_in_batch.to(batch.input_ids.device), **extra)
 
@@ -209,43 +212,19 @@ class LoongTrainerMixin:
 _GRAD_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")
 
 
-def _drop_no_op_input_grad_hooks(model: torch.nn.Module) -> None:
+def _drop_input_grad_hooks(model: torch.nn.Module) -> None:
     """transformers' gradient checkpointing hooks the input embeddings to make their output
-    require grad (``enable_input_require_grads``): reentrant checkpointing computes no gradient
-    for a segment none of whose inputs requires grad, as under PEFT's frozen embeddings.  The
-    hook changes no parameter's gradient where the embedding's weight requires grad (its output
-    already does) or where no layer checkpoints reentrantly (autograd reaches the adapters in a
-    segment through their own weights), but Dynamo breaks the graph at its ``requires_grad_()``
-    (on a frozen embedding's output, and before torch 2.13 always): the embedding became a graph
-    of its own, without attention, which the backend refuses.  Such a hook is removed (the
-    Trainer installs it when training starts, after ``parallelize``); the one hook that matters,
-    frozen embeddings under reentrant checkpointing, is refused by name (on every rank: they
-    all read the same model)."""
+    require grad (``enable_input_require_grads``), which only reentrant checkpointing needs (it
+    computes no gradient for a segment none of whose inputs requires grad, as under PEFT's
+    frozen embeddings).  The step takes checkpointing over (``checkpointing.taken_over``: no
+    ``torch.utils.checkpoint`` runs), so the hook changes no gradient; but Dynamo breaks the
+    graph at its ``requires_grad_()`` (on a frozen embedding's output, and before torch 2.13
+    always), and the embedding would be a graph of its own, without attention, which the backend
+    refuses.  Every such hook is removed (TRL and the Trainer each install one, the Trainer when
+    training starts, after ``parallelize``)."""
     embeddings = getattr(model, "get_input_embeddings", lambda: None)()
-    if not isinstance(embeddings, torch.nn.Module):
-        return
-    if not forward_hooks_named(embeddings, _GRAD_HOOKS):
-        return
-    weight = getattr(embeddings, "weight", None)
-    if (weight is not None and weight.requires_grad) or not _checkpoints_reentrantly(model):
-        # every one: TRL and the Trainer each install it, and transformers keeps the last handle
+    if isinstance(embeddings, torch.nn.Module):
         forward_hooks_named(embeddings, _GRAD_HOOKS, remove=True)
-        return
-    raise LoongConfigError(
-        "gradient checkpointing with use_reentrant=True on a model whose input embeddings are "
-        "frozen (PEFT)", "reentrant checkpointing needs the embeddings' output to require grad, "
-        "which transformers' hook sets with requires_grad_(), where Dynamo breaks the graph: the "
-        "embedding alone would be a graph without attention",
-        "gradient_checkpointing_kwargs={'use_reentrant': False} (transformers' default), or "
-        "gradient_checkpointing=False")
-
-
-def _checkpoints_reentrantly(model: torch.nn.Module) -> bool:
-    """Whether a layer checkpoints with ``use_reentrant=True`` (or unsaid): transformers keeps
-    its checkpoint function, a partial of ``torch.utils.checkpoint.checkpoint``, on each layer."""
-    return any(getattr(m, "gradient_checkpointing", False) is True and getattr(
-        getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant", True)
-        for m in model.modules())
 
 
 def _deal_by_replica(loader, mesh):

@@ -70,6 +70,7 @@ from loong_compile.errors import LoongConfigError, LoongError, LoongTokenMixingE
 from loong_compile.ops import attention_2d
 from loong_compile.parallel.mesh import one_process_mesh
 from loong_compile.passes.attention import input_roles, mask_policy, model_facts
+from loong_compile.passes.fx import traced_modules
 from loong_compile.passes.attention.calls import (
     AttentionCall, constant_settings, is_site, masked, read_call, refuse)
 from loong_compile.passes.attention.document_ids import DocumentIds
@@ -92,7 +93,7 @@ class Attention2DPass(Pass):
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
         add_exact_mixers(ctx, ATTENTION_SITES, (attention_2d,))
-        root = model_facts.compiled_module(gm)
+        root = traced_modules.compiled_module(gm)
         scopes = [s for s in graph_scopes(gm)  # flash-attn's own Function body: matched outside
                   if s.caller is None or match_flash_attn(s.caller) is None]
         sites = [(scope, n) for scope in scopes for n in scope.module.graph.nodes if is_site(n)]

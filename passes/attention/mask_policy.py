@@ -20,6 +20,7 @@ import torch.fx
 
 from loong_compile.errors import LoongTokenMixingError
 from loong_compile.passes.attention import model_facts
+from loong_compile.passes.fx import traced_modules
 from loong_compile.passes.attention.calls import AttentionCall, refuse
 from loong_compile.passes.attention.document_ids import DocumentIds
 from loong_compile.passes.attention.input_roles import Prover
@@ -135,8 +136,8 @@ def mask_cause(mask: Any) -> str:
 def _window(node: torch.fx.Node, root, causal: bool, tokens: int | None, sp: int,
             meaning: MaskMeaning | None) -> tuple[int | None, str | None]:
     """The window and where it came from: the mask's, else the module's ``sliding_window``."""
-    attention = model_facts.module_of(root, node)
-    path = model_facts.traced_in(node)
+    attention = traced_modules.module_of(root, node)
+    path = traced_modules.traced_in(node)
     if attention is None and path is not None:
         # the window lives on the module (or its config): not finding it is no proof of none
         refuse(node, f"it was traced in the module {path}, which the backend cannot find "
@@ -168,7 +169,7 @@ def _chunk(node: torch.fx.Node, root, causal: bool, tokens: int | None, sp: int,
     """The chunk of chunked attention and where it came from, by the window's rules: the mask's,
     else the module's ``attention_chunk_size``.  Chunks count tokens by their index in the
     sequence, as one process does; key padding would shift them per row (refused)."""
-    module_chunk = model_facts.chunk_size(model_facts.module_of(root, node), root)
+    module_chunk = model_facts.chunk_size(traced_modules.module_of(root, node), root)
     seen = meaning.chunk if meaning is not None else None
 
     def refuse_chunk(reason: str) -> NoReturn:

@@ -4,8 +4,8 @@ Model code reads the length of the tokens it is given, and under hp*cp > 1 that 
 local share.  Some decisions never reach the graph: transformers skips a sliding-window mask
 when the (local) length fits the window and emits ``is_causal=True`` instead, and a
 ``dynamic`` / ``longrope`` RoPE picks its frequencies from the (local) length.  This module
-reads those settings from the modules Dynamo traced (``compiled_module``, ``module_of``) so
-the attention pass can compare them with the *global* length and refuse what differs.
+reads those settings from the modules Dynamo traced (``passes/fx/traced_modules.py``) so the
+attention pass can compare them with the *global* length and refuse what differs.
 """
 
 from __future__ import annotations
@@ -14,64 +14,8 @@ from typing import Any
 
 import torch
 
-from loong_compile._compat.dynamo import dynamo_frame_self, frame_variable
-from loong_compile.passes.fx.module_paths import ModulePath, follow_module_path, parse_module_path
 
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-
-
-def compiled_module(gm: torch.fx.GraphModule) -> torch.nn.Module | None:
-    """The model whose code Dynamo traced: the compiled frame's ``self``, else the module its
-    module paths start from (a step function's ``model``, or transformers 5.24's ``forward``
-    wrapper, whose frame holds the model as ``args[0]``); None for a plain function."""
-    frame_self = dynamo_frame_self()
-    if frame_self is not None:
-        return frame_self
-    for node in gm.graph.nodes:
-        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-            parsed = parse_module_path(str(path))
-            root = _path_root(parsed) if parsed is not None else None
-            if root is not None and not isinstance(root, torch.nn.Module):
-                # a step holding the model in an object (``self.model`` of a trainer's method
-                # or closure): the first entry's whole path is the outermost module
-                root = follow_module_path(root, parsed.steps)
-            if isinstance(root, torch.nn.Module):
-                return root
-    return None
-
-
-def traced_in(node: torch.fx.Node) -> str | None:
-    """The path of the innermost module a node was traced in, or None outside every one."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return str(list(stack.values())[-1][0]) if stack else None
-
-
-def module_of(root: torch.nn.Module | None, node: torch.fx.Node) -> torch.nn.Module | None:
-    """The innermost module a node was traced in, reached along its module path as the traced
-    code reached it (passes/fx/module_paths.py: attributes, PEFT's ``__dict__['_modules']``,
-    a list's or dict's items) from the path's root in the compiled frame (whatever Dynamo
-    named it: ``L['self']``, ``L['args'][0]``, ``G['model']``) or else from ``root``; ``root``
-    itself for code outside every submodule; None where the path leads nowhere."""
-    path = traced_in(node)
-    if path is None:
-        return root
-    parsed = parse_module_path(path)
-    if parsed is None:
-        return None
-    # the path's own root first (a step function may call more than one module), whatever
-    # holds the modules there (a module, or an object with the model as an attribute)
-    start = _path_root(parsed)
-    module = follow_module_path(start, parsed.steps) if start is not None else None
-    if not isinstance(module, torch.nn.Module) and not isinstance(start, torch.nn.Module) \
-            and root is not None:
-        module = follow_module_path(root, parsed.steps)
-    return module if isinstance(module, torch.nn.Module) else None
-
-
-def _path_root(parsed: ModulePath):
-    """The object a module path starts from, in the frame being compiled; None outside it."""
-    variable = frame_variable(parsed.scope, parsed.variable)
-    return None if variable is None else follow_module_path(variable, parsed.root_steps)
 
 
 class UnknownLayerType(ValueError):

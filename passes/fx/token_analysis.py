@@ -176,7 +176,7 @@ class TokenAnalysis:
         value = example_value(source)
         dims = reduced_dims(node, value.dim(), name)
         hit = axes if dims is None else [d for d in dims if d in axes]
-        if not hit:
+        if not hit or name in SPLITS and self.whole_or_empty(node, hit):
             return
         if name == "sum":
             self.partial.add(node)
@@ -188,6 +188,19 @@ class TokenAnalysis:
         else:
             self.refuse(node, f"{name} along the token axis {hit[0]} of "
                         f"{tuple(value.shape)} mixes or moves tokens", _GATHER_FIX)
+
+    def whole_or_empty(self, node, hit: list[int]) -> bool:
+        """A split whose pieces along the token axes are all of them or none: every token stays
+        where it was (transformers 5.25's ``tensor_split(x, [seq_len - states_kept])`` with no
+        cache keeps no token apart for the step-by-step tail)."""
+        pieces = example_value(node)
+        if not isinstance(pieces, (tuple, list)) or not all(isinstance(p, torch.Tensor)
+                                                            for p in pieces):
+            return False
+        whole = example_value(node.args[0]).shape
+        sizes = [[p.shape[axis] for axis in hit] for p in pieces]
+        return all(all(isinstance(s, int) and s in (0, whole[axis]) for s, axis in zip(row, hit))
+                   for row in sizes) and sum(1 for row in sizes if any(row)) == 1
 
     def check_index(self, node, source) -> None:
         value, axes = example_value(source), self.axes(source)
@@ -269,6 +282,8 @@ class TokenAnalysis:
         self.findings.append((node, reason, fix))
 
 
+# ops that cut a tensor into pieces along an axis
+SPLITS = {"split", "tensor_split", "chunk"}
 # ops whose result is a value of the whole sequence, the same on every rank of it: not token data
 SEQUENCE_VALUES = (sequence_label_count,)
 _SUM_FIX = ("sum the per-token losses and divide by the global count of label tokens: "

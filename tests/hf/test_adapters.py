@@ -1,7 +1,6 @@
 """PEFT adapters under ``lc.hf.parallelize``, in one process: what it refuses before anything
 runs (adapters that are not LoRA computed token by token), and gradient checkpointing's
-embedding hook on frozen embeddings (removed where it changes no gradient, refused where it
-does).  Training with LoRA across ranks: tests/hf/test_parallelize.py."""
+embedding hook on frozen embeddings (removed: the step takes checkpointing over).  Training with LoRA across ranks: tests/hf/test_parallelize.py."""
 
 from __future__ import annotations
 
@@ -82,21 +81,19 @@ def test_adapters_other_than_lora_are_refused_by_name(kind, named, tmp_path):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_the_embedding_hook_on_frozen_embeddings(reentrant):
-    """Non-reentrant checkpointing (transformers' default): the hook changes no gradient and is
-    removed; reentrant: it would, and Dynamo breaks the graph at it, so it is refused by name."""
+def test_the_embedding_hook_on_frozen_embeddings_is_removed(reentrant):
+    """The step takes checkpointing over (no torch.utils.checkpoint runs), so the hook that makes
+    the embeddings' output require grad for reentrant checkpointing changes no gradient, and
+    Dynamo would break the graph at it: every such hook is removed, reentrant or not (training
+    with LoRA and checkpointing across ranks: tests/hf/test_parallelize.py)."""
     from peft import LoraConfig
 
     from loong_compile._compat.dynamo import forward_hooks_named
-    from loong_compile.hf.trainer import _GRAD_HOOKS, _drop_no_op_input_grad_hooks
+    from loong_compile.hf.trainer import _GRAD_HOOKS, _drop_input_grad_hooks
 
     model = _adapted(LoraConfig(target_modules=TARGETS))
     model.enable_input_require_grads()   # as TRL does, then the Trainer at train(): two hooks
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     assert forward_hooks_named(model.get_input_embeddings(), _GRAD_HOOKS) == 2
-    if reentrant:
-        with pytest.raises(LoongConfigError, match="use_reentrant=True"):
-            _drop_no_op_input_grad_hooks(model)
-    else:
-        _drop_no_op_input_grad_hooks(model)
-        assert not forward_hooks_named(model.get_input_embeddings(), _GRAD_HOOKS)
+    _drop_input_grad_hooks(model)
+    assert not forward_hooks_named(model.get_input_embeddings(), _GRAD_HOOKS)

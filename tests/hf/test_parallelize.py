@@ -126,7 +126,7 @@ def _build(case: dict, out: str, replicas: int):
                           eval_dataset=Dataset.from_dict({"text": texts[64:]}),
                           peft_config=lora_config() if case.get("lora") else None)
     vocab = len(example.char_tokenizer())
-    args = TrainingArguments(**common)
+    args = TrainingArguments(**common, activation_checkpointing=bool(case.get("checkpointing")))
     if case["rows"] == "packed":   # DataCollatorWithFlattening: position ids restart per document
         return Trainer(model=tiny_llama(vocab), args=args, data_collator=DataCollatorWithFlattening(),
                        train_dataset=documents(48), eval_dataset=documents(8, offset=48))
@@ -217,6 +217,9 @@ CASES = {
                                                       "mesh": (1, 2)},
     "trainer, DataCollatorWithFlattening, hp=1 x cp=2, dp=2": {"trainer": "hf", "rows": "packed",
                                                                 "mesh": (1, 2), "pad_to": 48},
+    # transformers' gradient checkpointing, taken as the full policy (hf/checkpointing.py)
+    "trainer, DataCollatorWithFlattening, checkpointing, hp=2 x cp=2": {
+        "trainer": "hf", "rows": "packed", "mesh": (2, 2), "pad_to": 48, "checkpointing": True},
 }
 SFT_CASES = {
     "sft, packing, hp=1 x cp=2, dp=2": {"trainer": "sft", "rows": "packed", "mesh": (1, 2),
@@ -279,7 +282,8 @@ def _check_saved(path: Path, want_params: dict) -> None:
 def test_trainer_equals_one_process(tmp_path):
     """transformers.Trainer: plain rows of 30 tokens padded to the layout at hp=2 x cp=2 (with
     evaluate, save_model -> from_pretrained, resume from checkpoint-3), and packed documents
-    (DataCollatorWithFlattening, no attention mask) at hp=1 x cp=2 with 2 replicas."""
+    (DataCollatorWithFlattening, no attention mask) at hp=1 x cp=2 with 2 replicas, and at
+    hp=2 x cp=2 with gradient checkpointing (activation_checkpointing=True)."""
     _run_family(CASES, tmp_path)
 
 

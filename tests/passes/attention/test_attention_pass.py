@@ -265,11 +265,11 @@ class Windowed(torch.nn.Module):
 def test_a_window_the_local_length_cannot_show_comes_from_the_module(window, applied,
                                                                      monkeypatch):
     from loong_compile.errors import LoongTokenMixingError
-    from loong_compile.passes.attention import model_facts
+    from loong_compile.passes.fx import traced_modules
 
     module = Windowed(window)
     gm = dynamo_graph(module, *qkv(kv_heads=H))  # S=8 per rank, 32 over hp*cp=4 ranks
-    monkeypatch.setattr(model_facts, "compiled_module", lambda gm: module)
+    monkeypatch.setattr(traced_modules, "compiled_module", lambda gm: module)
     if applied == "refused":  # transformers builds a mask whenever the window fits the rank
         with pytest.raises(LoongTokenMixingError, match=f"sliding_window={window}.*shorter than "
                                                         "this rank's 8 tokens"):
@@ -308,13 +308,14 @@ def test_the_attention_module_is_found_however_the_model_is_reached(how):
     """transformers 5.24 wraps ``forward``: a window read only from ``L['self']`` was lost and
     Qwen2/Mistral windows ran as full causal attention (the trust matrix's windowed cases)."""
     from loong_compile.passes.attention import model_facts
+    from loong_compile.passes.fx import traced_modules
 
     found = []
 
     def backend(gm, example_inputs):
-        root = model_facts.compiled_module(gm)
+        root = traced_modules.compiled_module(gm)
         (node,) = [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention]
-        found.append((root, model_facts.module_of(root, node)))
+        found.append((root, traced_modules.module_of(root, node)))
         return gm.forward
 
     local_model = WrappedModel(20)
@@ -330,10 +331,10 @@ def test_the_attention_module_is_found_however_the_model_is_reached(how):
 
 def test_an_attention_module_that_cannot_be_found_is_refused_not_taken_as_windowless(monkeypatch):
     from loong_compile.errors import LoongTokenMixingError
-    from loong_compile.passes.attention import model_facts
+    from loong_compile.passes.fx import traced_modules
 
     gm = dynamo_graph(WrappedModel(20), *qkv(kv_heads=H))  # path L['args'][0].block.0
-    monkeypatch.setattr(model_facts, "compiled_module", lambda gm: None)  # outside the frame
+    monkeypatch.setattr(traced_modules, "compiled_module", lambda gm: None)  # outside the frame
     with pytest.raises(LoongTokenMixingError, match="cannot find.*sliding window"):
         run_pass(gm)
 
@@ -383,12 +384,12 @@ class WindowedMask(torch.nn.Module):
 def test_sliding_window_masks_take_the_window_of_the_mask_or_the_module(
         window, declared, applied, monkeypatch):
     from loong_compile.errors import LoongTokenMixingError
-    from loong_compile.passes.attention import model_facts
+    from loong_compile.passes.fx import traced_modules
 
     module = WindowedMask(window)
     gm = dynamo_graph(module, *qkv(kv_heads=H), POSITIONS)
     module.sliding_window = declared
-    monkeypatch.setattr(model_facts, "compiled_module", lambda gm: module)
+    monkeypatch.setattr(traced_modules, "compiled_module", lambda gm: module)
     if applied == "refused":
         with pytest.raises(LoongTokenMixingError, match="sliding_window=6.*the mask's window is 5"):
             run_pass(gm)

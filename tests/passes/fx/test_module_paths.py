@@ -1,6 +1,6 @@
 """passes/fx/module_paths.py: every module path Dynamo writes into ``nn_module_stack`` is parsed,
 leads to the module it names (``follow_module_path`` from the compiled frame, as
-passes/attention/model_facts.py::module_of walks it), and is named as ``named_modules`` names
+passes/fx/traced_modules.py::module_of walks it), and is named as ``named_modules`` names
 that module, so that layers are found through PEFT's wrappers and users' containers (issue 51)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 from helpers import Holder
 from hf_models import build
 from loong_compile._compat.dynamo import frame_variable
-from loong_compile.passes.attention import model_facts
+from loong_compile.passes.fx import traced_modules
 from loong_compile.passes.fx.module_paths import (
     follow_module_path, layer_of_paths, module_path_parts, parse_module_path,
 )
@@ -112,12 +112,12 @@ def _lora_llama():
 
 def _traced(fn, *args) -> list[tuple[torch.fx.Node, str, type, object]]:
     """Every ``nn_module_stack`` entry of the graph Dynamo hands the backend, with the module
-    its path leads to from the compiled frame, and what ``model_facts.module_of`` finds for the
+    its path leads to from the compiled frame, and what ``traced_modules.module_of`` finds for the
     node (both read while the frame is being compiled, as the attention pass reads them)."""
     entries = []
 
     def backend(gm, example_inputs):
-        root = model_facts.compiled_module(gm)
+        root = traced_modules.compiled_module(gm)
         for node in gm.graph.nodes:
             stack = node.meta.get("nn_module_stack") or {}
             for path, cls in stack.values():
@@ -128,7 +128,7 @@ def _traced(fn, *args) -> list[tuple[torch.fx.Node, str, type, object]]:
                 entries.append((path, cls, found, root))
             if stack:
                 innermost = list(stack.values())[-1]
-                entries.append((innermost[0], innermost[1], model_facts.module_of(root, node), root))
+                entries.append((innermost[0], innermost[1], traced_modules.module_of(root, node), root))
         return gm.forward
 
     torch._dynamo.reset()
@@ -145,6 +145,9 @@ def test_peft_paths_lead_to_the_modules_named_as_peft_names_them():
     for path, cls, found, root in entries:
         assert root is model
         assert type(found) is cls, path
+        if parse_module_path(path).scope == "G" and found not in names.values():
+            continue    # a function the kernels package made a module (transformers >= 5.25's
+            #             RoPE), a global of transformers' modeling module, not the model's
         assert names[".".join(module_path_parts(path))] is found, path
     layers = {layer_of_paths([path]) for path, *_ in entries} - {None}
     assert layers == {"base_model.model.model.layers.0"}
